@@ -1,0 +1,1 @@
+"""Model adapters: the only part of agentwin that imports transformers."""

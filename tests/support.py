@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from agentwin.models.kv import extract_kv
 from agentwin.models.zoo import TINY, build_tiny
 from kamera_core import kv_layout
 
@@ -186,14 +187,7 @@ def layer_kv(cache: Any, model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     MHA/GQA: `[T, kv_heads, head_dim]` each. MLA: (c_KV `[T, kv_lora_rank]`, k_rope `[T, rope_dim]`).
     """
-    mla = kv_layout(model.config).family == "mla"
-    out = []
-    for layer in cache.layers:
-        k, v = layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)  # (T, H, D)
-        if mla:
-            k, v = k[:, 0], v[:, 0]  # (T, R), (T, r)
-        out.append((k, v))
-    return out
+    return extract_kv(cache, kv_layout(model.config))
 
 
 def rotated(kv: tuple[torch.Tensor, torch.Tensor], mla: bool) -> torch.Tensor:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
-
-from kamera_core import kv_layout, relocate_keys, relocate_mla, rope_specs
+from agentwin.models.kv import build_cache, relocate_kv
+from kamera_core import kv_layout, rope_specs
 from tests.support import (
     TEXT_MODELS,
     VL_MODELS,
@@ -31,19 +30,10 @@ def _split(chunk: Chunk, lo: int, hi: int) -> Chunk:
     return Chunk(chunk.input_ids[lo:hi], chunk.positions[..., lo:hi], {})
 
 
-def _relocated_cache(model, kv_ab, delta: int, config) -> DynamicCache:
+def _relocated_cache(model, kv_ab, delta: int, config):
     """A transformers cache holding [A, B] KV moved by `delta` (keys/k_rope rotated only)."""
-    specs = rope_specs(config)
-    mla = kv_layout(config).family == "mla"
-    cache = DynamicCache(config=config)
-    for layer, ((k, v), spec) in enumerate(zip(kv_ab, specs)):
-        if mla:
-            k, v = relocate_mla(k, v, spec, delta)
-            k, v = k[:, None], v[:, None]  # (T, 1, R)
-        else:
-            k = relocate_keys(k, spec, delta)
-        cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # (1, H, T, D)
-    return cache
+    layout = kv_layout(config)
+    return build_cache(relocate_kv(kv_ab, rope_specs(config), layout, delta), config, layout)
 
 
 def check_insitu(model, a: Chunk, b: Chunk, query_ids: torch.Tensor) -> float:

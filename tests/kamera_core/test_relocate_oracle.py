@@ -111,8 +111,11 @@ def check_bf16(name: str, m16, m64, chunk, figures, kind: str) -> None:
             assert moved.dtype == torch.bfloat16
             # The rotation of the stored bf16 keys done in float64, to isolate the output rounding.
             exact = relocate_keys(rotated(canon[layer], mla).double(), spec, p)
-            ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-            assert bool(((moved.double() - exact).abs() <= ulp).all()), f"{name} layer {layer} start {p}"
+            # One bf16 rounding of the result, plus float32 arithmetic on inputs of size max|k|
+            # (which matters only for results near zero, where terms cancel).
+            fp32_arith = 4 * torch.finfo(torch.float32).eps * float(exact.abs().max())
+            bound = torch.finfo(torch.bfloat16).eps * exact.abs() + fp32_arith
+            assert bool(((moved.double() - exact).abs() <= bound).all()), f"{name} layer {layer} start {p}"
             ours.append((moved.double() - expected).flatten())
             model.append((rotated(own[layer], mla).double() - expected).flatten())
             rounding.append((moved.double() - exact).flatten())

@@ -46,13 +46,14 @@ def _neox() -> Any:
 
 
 def _vision_tokens() -> dict:
-    return dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    return dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+                bos_token_id=1, eos_token_id=2)
 
 
 def _qwen2_vl() -> Any:
     from transformers import Qwen2VLConfig
 
-    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+    text = {**_TEXT, "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                          "mrope_section": [2, 3, 3]}}
     vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -62,7 +63,7 @@ def _qwen2_vl() -> Any:
 def _qwen2_5_vl() -> Any:
     from transformers import Qwen2_5_VLConfig
 
-    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+    text = {**_TEXT, "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                          "mrope_section": [2, 3, 3]}}
     vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
@@ -73,7 +74,7 @@ def _qwen2_5_vl() -> Any:
 def _qwen3_vl() -> Any:
     from transformers import Qwen3VLConfig
 
-    text = {**_TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+    text = {**_TEXT, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
                                                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
     vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,

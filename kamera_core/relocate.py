@@ -26,7 +26,7 @@ import torch
 
 from kamera_core.rope import RopeSpec
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "cpu", "triton"]
 
 
 def _as_shift(delta: object) -> int:
@@ -114,14 +114,16 @@ def _check_patch(keys: torch.Tensor, patch: tuple[torch.Tensor, torch.Tensor]) -
     return u, vt
 
 
-def _use_triton(keys: torch.Tensor, backend: Backend) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        return True
+def _pick_backend(keys: torch.Tensor, backend: Backend) -> str:
+    """auto: the Triton kernel for accelerator tensors (or under the Triton interpreter), the
+    one-pass CPU kernel otherwise (it falls back to the torch path where it cannot be built)."""
+    if backend not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
     if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return keys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        return backend
+    if keys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return "triton"
+    return "cpu" if keys.device.type == "cpu" else "torch"
 
 
 def relocate_keys(
@@ -136,19 +138,25 @@ def relocate_keys(
     keys: `[tokens, *rest, head_dim]`, any float dtype. patch: `(u [tokens, rank],
     vt [rank, *rest, head_dim])` expressed in the same frame as `keys`; the result is
     `R(δ)·(keys + u·vt) = R(δ)·keys + u·(R(δ)·vt)`. Returns a new tensor of keys' dtype.
-    `backend="auto"` uses the Triton kernel for CUDA tensors and the torch path otherwise.
+    backend: "auto" (Triton on CUDA, the one-pass C kernel on CPU), "torch" (the plain
+    reference), "cpu" or "triton" to force one; every backend gives the reference's values.
     """
     _check_keys(keys, spec)
+    chosen = _pick_backend(keys, backend)
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     cos, sin = phases(spec, delta, compute)
     u = vt = None
     if patch is not None:
         u, vt = _check_patch(keys, patch)
         vt = rotate_reference(vt, cos, sin, spec.pairing)
-    if _use_triton(keys, backend):
+    if chosen == "triton":
         from kamera_core.triton_relocate import rotate_triton
 
         return rotate_triton(keys, cos, sin, spec.pairing, u, vt)
+    if chosen == "cpu":
+        from kamera_core.cpu_relocate import rotate_cpu
+
+        return rotate_cpu(keys, cos, sin, spec.pairing, u, vt)
     return rotate_reference(keys, cos, sin, spec.pairing, u, vt)
 
 

@@ -1,0 +1,1 @@
+"""Command-line tools of the agentwin project (`agentwin` CLI: demo, benchmarks)."""

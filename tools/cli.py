@@ -1,0 +1,52 @@
+"""`agentwin`: the project's command line.
+
+    agentwin demo ...                       relocation demo (tools/demo.py)
+    agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from tools import bench_relocate
+
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    relocate = kinds.add_parser(
+        "relocate",
+        help="CPU relocation throughput as a ratio to a plain copy",
+        description=(bench_relocate.__doc__ or "").split("\n\n")[0],
+    )
+    bench_relocate.add_arguments(relocate)
+    relocate.set_defaults(func=bench_relocate.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `agentwin` parser with every subcommand."""
+    from tools import demo
+
+    parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo_parser = sub.add_parser("demo", help="relocation demo on the real embedded model",
+                                 description=(demo.__doc__ or "").split("\n\n")[0])
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv[1:]), run the command, return its exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

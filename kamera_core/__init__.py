@@ -4,6 +4,22 @@ Layout: token-major `[tokens, num_kv_heads, head_dim]` per layer; MLA `[tokens, 
 and `[tokens, rope_dim]`. See rope.py for the RoPE families and relocate.py for the math.
 """
 
+from kamera_core.patch import (
+    ChunkPatch,
+    Factors,
+    LayerPatch,
+    allocate_ranks,
+    apply_patch,
+    attention_mass,
+    build_patch,
+    bytes_per_rank,
+    deficit,
+    fit,
+    gains,
+    orbit_deficit,
+    query_second_moment,
+    store,
+)
 from kamera_core.relocate import (
     phases,
     relocate_keys,
@@ -29,4 +45,18 @@ __all__ = [
     "rotate_reference",
     "to_local",
     "to_position",
+    "ChunkPatch",
+    "Factors",
+    "LayerPatch",
+    "allocate_ranks",
+    "apply_patch",
+    "attention_mass",
+    "build_patch",
+    "bytes_per_rank",
+    "deficit",
+    "fit",
+    "gains",
+    "orbit_deficit",
+    "query_second_moment",
+    "store",
 ]

@@ -1,0 +1,472 @@
+"""Conditioning patches: low-rank U·Vᵀ approximations of the deficit Δ = KV(B|A) − KV(B|∅).
+
+Everything here is a pure function of tensors, in the chunk-local frame (relocation is separate:
+`relocate_keys(k, spec, δ, patch=(u, vt))` applies a key patch fused with the rotation).
+
+Layouts (token-major): MHA/GQA keys and values `[T, H, D]`; MLA c_KV `[T, R]` (the cache's
+`.keys` slot) and k_rope `[T, r]` (`.values` slot). A patch of a tensor `[T, *F]` is
+`u [T, m]`, `vt [m, *F]`, dense `(u @ vt.reshape(m, -1)).reshape(T, *F)`.
+
+Fitting minimises `|| diag(√w) (Δ − Δ̂) M^½ ||_F` (w: token weights, M: block-diagonal feature
+metric, e.g. the per-KV-head second moment of the queries that will read the keys: attention sees
+a key only through q·k). With X = diag(√w)·Δ and W = M^½, the optimum of rank m is
+Δ̂ = diag(√w)⁻¹ U_m U_mᵀ X where U_m are the top left singular vectors of X·W (Eckart–Young on
+X·W; for a fixed U_m the best right factor is U_mᵀ X, which equals S_m V_mᵀ W⁻¹ when W is
+invertible). Computing vt = U_mᵀ X never forms W⁻¹, whose condition number reaches ~1e3–1e4 with
+the ridge below. All fitting runs in float64; factors come back as float32.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+# Relative ridge added to each metric block: Σ_h + RIDGE·(trace(Σ_h)/D)·I. It makes W invertible
+# (so rank min(T, F) reproduces Δ exactly even where queries never point) while changing the
+# weighted objective by at most ~1e-6 of its scale.
+RIDGE = 1e-6
+# Token weights are clamped to ROW_FLOOR·max(w): zero or negative weights (tokens nobody attends)
+# still get a tiny weight, so u = diag(√w)⁻¹·U stays finite; the row scaling's condition number is
+# at most 1/√ROW_FLOOR = 1e3, which bounds the fp32 reconstruction error of floored rows (~1e-4).
+ROW_FLOOR = 1e-6
+_FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STORAGES = ("fp32", "fp16", "bf16", "int8")
+
+
+def _check_tensor(x: object, what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _check_rank(rank: object, what: str = "rank") -> int:
+    if isinstance(rank, bool) or not hasattr(rank, "__index__"):  # ints, numpy and 0-d torch ints
+        raise TypeError(f"{what} must be an int, got {type(rank).__name__} {rank!r}")
+    if (value := operator.index(rank)) < 0:  # type: ignore[arg-type]
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Factors:
+    """U·Vᵀ for one tensor `[T, *F]` of one layer.
+
+    Float form: `u [T, m]` and `vt [m, *F]` of one floating dtype (fp32/fp16/bf16), no scales.
+    Int8 form: `u`, `vt` int8 with per-rank float32 scales `u_scale [m]` (column j of u) and
+    `vt_scale [m]` (row j of vt); the value is `u[:, j]·u_scale[j]` etc.
+    Components are ordered by decreasing gain when produced by `fit`.
+    """
+
+    u: Tensor
+    vt: Tensor
+    u_scale: Tensor | None = None
+    vt_scale: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        u, vt = _check_tensor(self.u, "Factors.u"), _check_tensor(self.vt, "Factors.vt")
+        if u.dim() != 2 or vt.dim() < 2 or vt.shape[0] != u.shape[1]:
+            raise ValueError(f"Factors.u must be [T, m] and vt [m, *F], got {tuple(u.shape)} and {tuple(vt.shape)}")
+        if u.shape[0] == 0 or math.prod(vt.shape[1:]) == 0:
+            raise ValueError(f"Factors need tokens and features, got u {tuple(u.shape)}, vt {tuple(vt.shape)}")
+        if u.dtype != vt.dtype:
+            raise TypeError(f"Factors.u ({u.dtype}) and vt ({vt.dtype}) must share a dtype")
+        scales = (self.u_scale, self.vt_scale)
+        if u.dtype == torch.int8:
+            for name, s in zip(("u_scale", "vt_scale"), scales):
+                if not isinstance(s, Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (u.shape[1],):
+                    got = tuple(s.shape) if isinstance(s, Tensor) else s
+                    raise ValueError(f"int8 Factors need float32 {name} of shape [{u.shape[1]}], got {got}")
+        elif not u.is_floating_point():
+            raise TypeError(f"Factors.u must be floating point or int8, got {u.dtype}")
+        elif any(s is not None for s in scales):
+            raise ValueError("scales are only for int8 Factors; float factors carry none")
+
+    @property
+    def rank(self) -> int:
+        return int(self.u.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of the stored tensors (u, vt and, for int8, both scales)."""
+        parts = [t for t in (self.u, self.vt, self.u_scale, self.vt_scale) if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def factors(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """Dequantised `(u [T, m], vt [m, *F])` in `dtype` (int8 scaling done in ≥ float32)."""
+        if self.u_scale is None:
+            return self.u.to(dtype), self.vt.to(dtype)
+        compute = torch.promote_types(dtype, torch.float32)
+        u = self.u.to(compute) * self.u_scale.to(compute)
+        vt_scale = self.vt_scale.to(compute).reshape(-1, *([1] * (self.vt.dim() - 1)))  # (m, 1, ...)
+        return u.to(dtype), (self.vt.to(compute) * vt_scale).to(dtype)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The patch `u·vt` as a dense `[T, *F]` tensor of `dtype` (a zero tensor at rank 0)."""
+        u, vt = self.factors(dtype)
+        flat = u @ vt.reshape(self.rank, math.prod(vt.shape[1:]))  # (T, prod(F)); -1 fails at rank 0
+        return flat.reshape(u.shape[0], *vt.shape[1:])
+
+    def truncate(self, rank: int) -> Factors:
+        """The first `rank` components (copies, so `nbytes` is what is actually held)."""
+        r = _check_rank(rank)
+        if r > self.rank:
+            raise ValueError(f"cannot truncate rank {self.rank} factors to rank {r}")
+        cut = [None if t is None else t[..., :r].clone() for t in (self.u_scale, self.vt_scale)]
+        return Factors(self.u[:, :r].clone(), self.vt[:r].clone(), *cut)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPatch:
+    """Patches of one layer's two cache slots: `k` for `.keys` (MHA/GQA keys, MLA c_KV) and `v`
+    for `.values` (MHA/GQA values, MLA k_rope). None means no patch for that slot."""
+
+    k: Factors | None
+    v: Factors | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in (self.k, self.v) if f is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPatch:
+    """One chunk's conditioning patch, one `LayerPatch` per decoder layer; `method` records how
+    it was fitted (e.g. "svd", "query", "query+value", "alloc")."""
+
+    layers: tuple[LayerPatch, ...]
+    method: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, tuple) or not all(isinstance(p, LayerPatch) for p in self.layers):
+            raise TypeError("ChunkPatch.layers must be a tuple of LayerPatch")
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"ChunkPatch.method must be a non-empty string, got {self.method!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.layers)
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """(k rank, v rank) per layer; 0 where the slot has no patch."""
+        return [tuple(0 if f is None else f.rank for f in (p.k, p.v)) for p in self.layers]  # type: ignore[misc]
+
+
+def _pairs(kv: Sequence[tuple[Tensor, Tensor]], what: str) -> list[tuple[Tensor, Tensor]]:
+    out = []
+    for i, pair in enumerate(kv):
+        try:
+            k, v = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"{what}[{i}] must be a (k, v) pair of tensors") from None
+        out.append((_check_tensor(k, f"{what}[{i}].k"), _check_tensor(v, f"{what}[{i}].v")))
+    return out
+
+
+def _match(a: list, b: list, what_a: str, what_b: str) -> None:
+    """Same layer count and the same k and v shapes, else ValueError naming both."""
+    if len(a) != len(b):
+        raise ValueError(f"{what_a} has {len(a)} layers, {what_b} has {len(b)}")
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        for slot, x, y in zip("kv", pa, pb):
+            if x.shape != y.shape:
+                raise ValueError(f"layer {i} {slot}: {what_a} shape {tuple(x.shape)} != {what_b} {tuple(y.shape)}")
+
+
+def deficit(
+    conditioned: Sequence[tuple[Tensor, Tensor]], canonical: Sequence[tuple[Tensor, Tensor]]
+) -> list[tuple[Tensor, Tensor]]:
+    """Per-layer `(Δk, Δv)` = conditioned − canonical, float32, same shapes as the inputs.
+
+    Both in the chunk-local frame and the same layout. The subtraction runs in float32, or float64
+    when an input is float64 (Δ is small next to K, so it is taken before rounding to float32).
+    """
+    cond, canon = _pairs(conditioned, "conditioned"), _pairs(canonical, "canonical")
+    _match(cond, canon, "conditioned", "canonical")
+
+    def sub(a: Tensor, b: Tensor) -> Tensor:
+        compute = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        return (a.to(compute) - b.to(compute)).to(torch.float32)
+
+    return [(sub(ka, kb), sub(va, vb)) for (ka, va), (kb, vb) in zip(cond, canon)]
+
+
+def orbit_deficit(deltas_per_order: Sequence[Sequence[tuple[Tensor, Tensor]]]) -> list[tuple[Tensor, Tensor]]:
+    """Mean over orders of one chunk's per-layer `(Δk, Δv)` (float32; summed in float64).
+
+    An order in which the chunk comes first contributes Δ = 0; the caller passes zeros for it.
+    Every order must have the same number of layers and the same shapes.
+    """
+    orders = [_pairs(d, f"deltas_per_order[{j}]") for j, d in enumerate(deltas_per_order)]
+    if not orders:
+        raise ValueError("orbit_deficit needs at least one order")
+    for j, order in enumerate(orders[1:], start=1):
+        _match(order, orders[0], f"order {j}", "order 0")
+    n = len(orders)
+    return [
+        tuple((sum(o[i][s].double() for o in orders) / n).float() for s in range(2))  # type: ignore[misc]
+        for i in range(len(orders[0]))
+    ]
+
+
+def query_second_moment(queries: Tensor, num_kv_heads: int) -> Tensor:
+    """Σ `[num_kv_heads, D, D]` float64: mean of q·qᵀ over tokens and over the query heads that
+    share each KV head.
+
+    queries: `[Tq, Hq, D]` post-RoPE, already in the chunk-local frame (the caller rotates them).
+    Query head h reads KV head h // (Hq // num_kv_heads), as transformers' `repeat_kv` expands.
+    """
+    q = _check_tensor(queries, "queries")
+    if q.dim() != 3:
+        raise ValueError(f"queries must be [Tq, Hq, D], got shape {tuple(q.shape)}")
+    hkv = _check_rank(num_kv_heads, "num_kv_heads")
+    tq, hq, d = q.shape
+    if hkv == 0 or hq % hkv or tq == 0:
+        raise ValueError(f"num_kv_heads={hkv} must be positive and divide Hq={hq}, and Tq={tq} must be > 0")
+    group = hq // hkv
+    grouped = q.to(torch.float64).reshape(tq, hkv, group, d)  # (Tq, Hkv, group, D): h = kv·group + g
+    return torch.einsum("tkgd,tkge->kde", grouped, grouped) / (tq * group)
+
+
+def attention_mass(weights: Tensor) -> Tensor:
+    """`[Tk]` float64 mean mass each key token receives from attention probabilities
+    `weights [Hq, Tq, Tk]` (mean over heads and query rows)."""
+    w = _check_tensor(weights, "weights")
+    if w.dim() != 3:
+        raise ValueError(f"weights must be [Hq, Tq, Tk], got shape {tuple(w.shape)}")
+    return w.to(torch.float64).mean(dim=(0, 1))
+
+
+def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> Tensor:
+    """W = blockdiag((Σ_h + ridge)^½) as `[H, D, D]` float64, symmetric."""
+    sigma = metric.to(torch.float64)
+    sigma = (sigma + sigma.transpose(-1, -2)) / 2  # symmetrise rounding noise before eigh
+    evals, evecs = torch.linalg.eigh(sigma)
+    top = evals.abs().amax(dim=-1, keepdim=True)
+    if bool((evals < -1e-4 * top).any()):  # lenient: a float32 Σ of rank < D rounds to ±1e-7·top
+        raise ValueError("metric must be positive semi-definite (a second moment); it has negative eigenvalues")
+    scale = evals.clamp_min(0).sum(dim=-1, keepdim=True) / dim  # trace(Σ_h)/D, (H, 1)
+    if not bool((scale > 0).any()):
+        raise ValueError("metric is zero in every head; it cannot weight anything")
+    # A head no query reads (Σ_h = 0) borrows the mean scale so its ridge, and W, stay invertible.
+    scale = torch.where(scale > 0, scale, scale[scale > 0].mean())
+    root = (evals.clamp_min(0) + RIDGE * scale).sqrt()
+    return (evecs * root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+
+
+def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(X = diag(√w)·Δ `[T, F]`, X·W `[T, F]`, √w `[T]` or None), all float64."""
+    delta = _check_tensor(delta, "delta")
+    if not delta.is_floating_point() or delta.dim() < 2 or delta.numel() == 0:
+        raise ValueError(f"delta must be a non-empty floating tensor [T, *F], got {delta.dtype} {tuple(delta.shape)}")
+    t = delta.shape[0]
+    x = delta.to(torch.float64).reshape(t, -1)  # (T, F)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("delta has non-finite values")  # the SVD would fail or return NaN factors
+    sqrt_w = None
+    if row_weights is not None:
+        w = _check_tensor(row_weights, "row_weights").to(device=x.device, dtype=torch.float64)
+        if tuple(w.shape) != (t,):
+            raise ValueError(f"row_weights must be [T={t}], got shape {tuple(w.shape)}")
+        if not bool(torch.isfinite(w).all()) or not bool((w > 0).any()):
+            raise ValueError("row_weights must be finite with at least one positive weight")
+        sqrt_w = w.clamp_min(ROW_FLOOR * float(w.max())).sqrt()
+        x = x * sqrt_w[:, None]
+    if metric is None:
+        return x, x, sqrt_w
+    m = _check_tensor(metric, "metric").to(device=x.device)
+    if m.dim() == 2:
+        m = m.unsqueeze(0)
+    if m.dim() != 3 or m.shape[1] != m.shape[2] or m.shape[0] * m.shape[1] != x.shape[1]:
+        raise ValueError(f"metric must be [H, D, D] with H·D = {x.shape[1]} features, got shape {tuple(metric.shape)}")
+    heads, dim = m.shape[0], m.shape[1]
+    if delta.dim() == 3 and tuple(delta.shape[1:]) != (heads, dim):
+        raise ValueError(f"metric heads {heads}×{dim} do not match delta {tuple(delta.shape)}")
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("metric has non-finite values")
+    root = _metric_sqrt(m, heads, dim)
+    xw = torch.einsum("thd,hde->the", x.reshape(t, heads, dim), root).reshape(t, -1)  # (T, H·D)
+    return x, xw, sqrt_w
+
+
+def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Tensor | None = None) -> Factors:
+    """Best rank-`rank` Factors of `delta [T, *F]` for `|| diag(√w) (Δ − Δ̂) M^½ ||_F`.
+
+    metric: None (M = I) or `[H, D, D]` per-head blocks Σ_h for delta `[T, H, D]` (`[1, R, R]` or
+        `[R, R]` for a 2-D delta), ridged by RIDGE·trace(Σ_h)/D; must be positive semi-definite.
+    row_weights: `[T]` token weights w (e.g. `attention_mass`), clamped below at ROW_FLOOR·max(w).
+    rank: ≥ 0; clamped to min(T, F), which reproduces Δ (to float32 precision).
+    Returns float32 Factors on delta's device, components by decreasing singular value. Without a
+    metric u = diag(√w)⁻¹·U_m·S_m, vt = V_mᵀ; with one u = diag(√w)⁻¹·U_m, vt = U_mᵀ·X
+    (= S_m V_mᵀ W⁻¹, see the module docstring).
+    """
+    r = _check_rank(rank)
+    x, xw, sqrt_w = _weighted(delta, metric, row_weights)
+    u_full, s, vh = torch.linalg.svd(xw, full_matrices=False)
+    r = min(r, s.shape[0])
+    u = u_full[:, :r]
+    if metric is None:
+        u, vt = u * s[:r], vh[:r]
+    else:
+        vt = u.T @ x  # (m, F)
+    if sqrt_w is not None:
+        u = u / sqrt_w[:, None]
+    return Factors(u.float().contiguous(), vt.float().reshape(r, *delta.shape[1:]).contiguous())
+
+
+def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | None = None) -> tuple[Tensor, float]:
+    """(σ² `[min(T, F)]` float64 decreasing, total weighted energy `||diag(√w) Δ M^½||²_F`).
+
+    Same weighting as `fit`: adding component i lowers the weighted squared error by exactly σ_i²,
+    so the error at rank m is `total − σ²[:m].sum()`.
+    """
+    _, xw, _ = _weighted(delta, metric, row_weights)
+    return torch.linalg.svdvals(xw).square(), float(xw.square().sum())
+
+
+def bytes_per_rank(num_tokens: int, feature_size: int, storage: str) -> int:
+    """Exact bytes one more rank costs: one column of u `[T]` plus one row of vt `[F]`, and for
+    int8 its two float32 scales: (T + F)·itemsize, or (T + F) + 8 for "int8"."""
+    t, f = _check_rank(num_tokens, "num_tokens"), _check_rank(feature_size, "feature_size")
+    if storage == "int8":
+        return t + f + 2 * 4
+    if storage not in _FLOAT_STORAGE:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    return (t + f) * _FLOAT_STORAGE[storage].itemsize
+
+
+def allocate_ranks(
+    candidates: Mapping[Hashable, tuple[Tensor, float, int]],
+    budget_bytes: int,
+    max_rank: Mapping[Hashable, int] | None = None,
+) -> dict[Hashable, int]:
+    """Ranks per candidate maximising Σ (kept σ² / normaliser) within `budget_bytes`, greedily.
+
+    candidates: key (e.g. `(layer, "k")`) → (σ² `[n]` non-increasing, normaliser > 0 that makes
+    gains comparable, e.g. the canonical tensor's energy in the same metric, bytes per rank > 0).
+    Order: repeatedly give one rank to the candidate whose next component has the largest
+    (σ²_next / normaliser) / bytes_per_rank among those whose next rank still fits; ties go to
+    the key that comes first in `candidates`. A candidate whose next rank does not fit is dropped
+    (the budget only shrinks), components with σ² = 0 are never bought, and `max_rank[key]` caps
+    a key. Returns rank per key (0 allowed).
+    With equal bytes per rank this is optimal: the objective is a sum of concave (decreasing
+    gain) per-candidate terms, so the best n-rank set is the n largest gains. With unequal bytes it
+    is the density greedy of a knapsack, within one component's gain of the optimum.
+    """
+    budget = _check_rank(budget_bytes, "budget_bytes")
+    keys = list(candidates)
+    gain_lists, norms, costs, limits = [], [], [], []
+    for key in keys:
+        g, norm, cost = candidates[key]
+        g = _check_tensor(g, f"gains of {key!r}").detach().to("cpu", torch.float64).flatten()
+        if bool((g[1:] > g[:-1]).any()) or bool((g < 0).any()):
+            raise ValueError(f"gains of {key!r} must be non-negative and non-increasing")
+        if not (math.isfinite(norm) and norm > 0):
+            raise ValueError(f"normaliser of {key!r} must be positive and finite, got {norm!r}")
+        if _check_rank(cost, f"bytes per rank of {key!r}") == 0:
+            raise ValueError(f"bytes per rank of {key!r} must be positive")
+        cap = len(g) if max_rank is None or key not in max_rank else _check_rank(max_rank[key], f"max_rank[{key!r}]")
+        gain_lists.append(g.tolist())
+        norms.append(float(norm))
+        costs.append(int(cost))
+        limits.append(min(cap, len(g)))
+    ranks = [0] * len(keys)
+    heap: list[tuple[float, int]] = []  # (−score of the next component, key index): ties → first key
+
+    def push(i: int) -> None:
+        r = ranks[i]
+        if r < limits[i] and gain_lists[i][r] > 0:
+            heapq.heappush(heap, (-gain_lists[i][r] / norms[i] / costs[i], i))
+
+    for i in range(len(keys)):
+        push(i)
+    while heap:
+        _, i = heapq.heappop(heap)
+        if costs[i] > budget:
+            continue  # dropped for good: the budget only shrinks
+        budget -= costs[i]
+        ranks[i] += 1
+        push(i)
+    return dict(zip(keys, ranks))
+
+
+def store(f: Factors, storage: str) -> Factors:
+    """Factors in a storage form: "fp32" | "fp16" | "bf16" (cast) or "int8" (per-rank symmetric:
+    column j of u scaled by max|u[:, j]|/127, row j of vt by max|vt[j]|/127, round to nearest;
+    scales float32). Int8 input is dequantised first. fp16 overflow raises ValueError."""
+    if not isinstance(f, Factors):
+        raise TypeError(f"store expects Factors, got {type(f).__name__}")
+    if storage in _FLOAT_STORAGE:
+        u, vt = f.factors(_FLOAT_STORAGE[storage])
+        if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(vt).all())):
+            raise ValueError(f"factors overflow {storage}; use 'bf16' or 'int8'")
+        return Factors(u, vt)
+    if storage != "int8":
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    u, vt = f.factors(torch.float32)
+    vt_flat = vt.reshape(f.rank, math.prod(vt.shape[1:]))  # (m, F)
+    u_scale, vt_scale = u.abs().amax(dim=0) / 127, vt_flat.abs().amax(dim=1) / 127
+    # An all-zero component has scale 0: divide by 1 instead so it quantises to 0, not NaN.
+    qu = (u / torch.where(u_scale > 0, u_scale, 1.0)).round().clamp(-127, 127).to(torch.int8)
+    qvt = (vt_flat / torch.where(vt_scale > 0, vt_scale, 1.0)[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Factors(qu, qvt.reshape(vt.shape), u_scale.float(), vt_scale.float())
+
+
+def build_patch(
+    deltas: Sequence[tuple[Tensor, Tensor]],
+    ranks: Sequence[tuple[int, int]],
+    method: str,
+    metrics: Sequence[tuple[Tensor | None, Tensor | None]] | None = None,
+    row_weights: Sequence[tuple[Tensor | None, Tensor | None]] | None = None,
+    storage: str = "fp16",
+) -> ChunkPatch:
+    """Fits every layer's k and v deficit at the given `(k rank, v rank)` (0 → no patch) with
+    that layer's optional `(k metric, v metric)` and `(k row weights, v row weights)`, and stores
+    the factors as `storage`. All sequences are per layer and must have the same length."""
+    layers = _pairs(deltas, "deltas")
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    for name, seq in (("ranks", ranks), ("metrics", metrics), ("row_weights", row_weights)):
+        if seq is not None and len(seq) != len(layers):
+            raise ValueError(f"{name} has {len(seq)} entries for {len(layers)} layers")
+
+    def one(i: int, s: int) -> Factors | None:
+        r = _check_rank(ranks[i][s], f"ranks[{i}][{s}]")
+        metric = None if metrics is None else metrics[i][s]
+        weights = None if row_weights is None else row_weights[i][s]
+        return store(fit(layers[i][s], r, metric, weights), storage) if r else None
+
+    return ChunkPatch(tuple(LayerPatch(one(i, 0), one(i, 1)) for i in range(len(layers))), method)
+
+
+def apply_patch(kv: Sequence[tuple[Tensor, Tensor]], patch: ChunkPatch) -> list[tuple[Tensor, Tensor]]:
+    """Canonical KV plus the dense patch, per layer, in the chunk-local frame, in kv's dtypes.
+
+    Computed in float32 (float64 for float64 KV) and rounded once. Slots without a patch are
+    returned as the same tensors. Relocating afterwards, or `relocate_keys(k, spec, δ,
+    patch=f.factors())` for the fused form, places the result.
+    """
+    layers = _pairs(kv, "kv")
+    if not isinstance(patch, ChunkPatch):
+        raise TypeError(f"patch must be a ChunkPatch, got {type(patch).__name__}")
+    if len(layers) != len(patch.layers):
+        raise ValueError(f"kv has {len(layers)} layers, patch {len(patch.layers)}")
+
+    def add(x: Tensor, f: Factors | None, where: str) -> Tensor:
+        if f is None:
+            return x
+        if f.u.shape[0] != x.shape[0] or f.vt.shape[1:] != x.shape[1:]:
+            raise ValueError(f"{where}: patch [{f.u.shape[0]}, *{tuple(f.vt.shape[1:])}] does not fit {tuple(x.shape)}")
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return (x.to(compute) + f.dense(compute).to(x.device)).to(x.dtype)
+
+    return [
+        (add(k, lp.k, f"layer {i} k"), add(v, lp.v, f"layer {i} v"))
+        for i, ((k, v), lp) in enumerate(zip(layers, patch.layers))
+    ]

@@ -2,6 +2,7 @@
 
     agentwin demo ...                       relocation demo (tools/demo.py)
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
+    agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
 
 """
 
@@ -24,6 +25,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_relocate.add_arguments(relocate)
     relocate.set_defaults(func=bench_relocate.run)
+    from tools import bench_patches
+
+    patches = kinds.add_parser(
+        "patches",
+        help="conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)",
+        description=(bench_patches.__doc__ or "").split("\n\n")[0],
+    )
+    bench_patches.add_arguments(patches)
+    patches.set_defaults(func=bench_patches.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

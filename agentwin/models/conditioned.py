@@ -43,7 +43,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _ACTIVE:
+    if _ACTIVE and getattr(module, "layer_idx", None) is not None:  # decoder layers only
         rec = _ACTIVE[-1]
         lo, hi = rec.chunk_start, rec.chunk_end
         layer = module.layer_idx
@@ -68,12 +68,9 @@ def _register() -> None:
 
 
 def _configs(model: Any) -> list[Any]:
-    configs = [model.config]
-    for name in ("text_config",):
-        sub = getattr(model.config, name, None)
-        if sub is not None:
-            configs.append(sub)
-    return configs
+    """The decoder's config only: a vision tower keeps its own attention implementation."""
+    text = model.config.get_text_config()
+    return [text]
 
 
 @contextlib.contextmanager

@@ -243,8 +243,8 @@ def attention_mass(weights: Tensor) -> Tensor:
     return w.to(torch.float64).mean(dim=(0, 1))
 
 
-def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> Tensor:
-    """W = blockdiag((Σ_h + ridge)^½) as `[H, D, D]` float64, symmetric."""
+def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
+    """(W, W⁻¹) with W = blockdiag((Σ_h + ridge)^½), each `[H, D, D]` float64, symmetric."""
     sigma = metric.to(torch.float64)
     sigma = (sigma + sigma.transpose(-1, -2)) / 2  # symmetrise rounding noise before eigh
     evals, evecs = torch.linalg.eigh(sigma)
@@ -257,11 +257,14 @@ def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> Tensor:
     # A head no query reads (Σ_h = 0) borrows the mean scale so its ridge, and W, stay invertible.
     scale = torch.where(scale > 0, scale, scale[scale > 0].mean())
     root = (evals.clamp_min(0) + RIDGE * scale).sqrt()
-    return (evecs * root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    w = (evecs * root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    w_inv = (evecs / root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    return w, w_inv
 
 
-def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(X = diag(√w)·Δ `[T, F]`, X·W `[T, F]`, √w `[T]` or None), all float64."""
+def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(X = diag(√w)·Δ `[T, F]`, X·W `[T, F]`, √w `[T]` or None, W⁻¹ `[H, D, D]` or None), float64."""
     delta = _check_tensor(delta, "delta")
     if not delta.is_floating_point() or delta.dim() < 2 or delta.numel() == 0:
         raise ValueError(f"delta must be a non-empty floating tensor [T, *F], got {delta.dtype} {tuple(delta.shape)}")
@@ -279,7 +282,7 @@ def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None) 
         sqrt_w = w.clamp_min(ROW_FLOOR * float(w.max())).sqrt()
         x = x * sqrt_w[:, None]
     if metric is None:
-        return x, x, sqrt_w
+        return x, x, sqrt_w, None
     m = _check_tensor(metric, "metric").to(device=x.device)
     if m.dim() == 2:
         m = m.unsqueeze(0)
@@ -290,9 +293,18 @@ def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None) 
         raise ValueError(f"metric heads {heads}×{dim} do not match delta {tuple(delta.shape)}")
     if not bool(torch.isfinite(m).all()):
         raise ValueError("metric has non-finite values")
-    root = _metric_sqrt(m, heads, dim)
+    root, root_inv = _metric_sqrt(m, heads, dim)
     xw = torch.einsum("thd,hde->the", x.reshape(t, heads, dim), root).reshape(t, -1)  # (T, H·D)
-    return x, xw, sqrt_w
+    return x, xw, sqrt_w, root_inv
+
+
+def _right_vectors(xw: Tensor) -> tuple[Tensor, Tensor]:
+    """(σ² `[F]` decreasing, V `[F, F]` right singular vectors of xw as columns) from the
+    eigendecomposition of the F×F Gram matrix: one small symmetric eigenproblem per block, about
+    3x cheaper than an SVD of the T×F matrix, and V comes out orthonormal to float64 precision,
+    which is what makes the full-rank reconstruction X·V·Vᵀ exact."""
+    evals, evecs = torch.linalg.eigh(xw.T @ xw)  # ascending
+    return evals.flip(0).clamp_min(0), evecs.flip(1)
 
 
 def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Tensor | None = None) -> Factors:
@@ -302,22 +314,33 @@ def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Ten
         `[R, R]` for a 2-D delta), ridged by RIDGE·trace(Σ_h)/D; must be positive semi-definite.
     row_weights: `[T]` token weights w (e.g. `attention_mass`), clamped below at ROW_FLOOR·max(w).
     rank: ≥ 0; clamped to min(T, F), which reproduces Δ (to float32 precision).
-    Returns float32 Factors on delta's device, components by decreasing singular value. Without a
-    metric u = diag(√w)⁻¹·U_m·S_m, vt = V_mᵀ; with one u = diag(√w)⁻¹·U_m, vt = U_mᵀ·X
-    (= S_m V_mᵀ W⁻¹, see the module docstring).
+    Returns float32 Factors on delta's device, components by decreasing singular value. With V_m
+    the top right singular vectors of Y = diag(√w)·X·W: u = diag(√w)⁻¹·Y·V_m and vt = V_mᵀ·W⁻¹
+    (W = I without a metric), so Δ̂ = diag(√w)⁻¹ Y V_m V_mᵀ W⁻¹ is Y's best rank-m projection
+    mapped back.
     """
-    r = _check_rank(rank)
-    x, xw, sqrt_w = _weighted(delta, metric, row_weights)
-    u_full, s, vh = torch.linalg.svd(xw, full_matrices=False)
-    r = min(r, s.shape[0])
-    u = u_full[:, :r]
-    if metric is None:
-        u, vt = u * s[:r], vh[:r]
-    else:
-        vt = u.T @ x  # (m, F)
+    factors = fit_with_gains(delta, metric, row_weights)[0]
+    return factors.truncate(min(_check_rank(rank), factors.rank))
+
+
+def fit_with_gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | None = None
+                   ) -> tuple[Factors, Tensor, float]:
+    """(full-rank Factors ordered by gain, gains σ² `[min(T, F)]` float64, total weighted energy)
+    from one decomposition: `factors.truncate(m)` is the best rank-m fit, and adding component i
+    lowers the weighted squared error by exactly σ_i²."""
+    x, xw, sqrt_w, w_inv = _weighted(delta, metric, row_weights)
+    s2, v = _right_vectors(xw)
+    r = min(x.shape[0], x.shape[1])
+    v = v[:, :r]  # (F, r)
+    u = xw @ v  # (T, r)
+    vt = v.T  # (r, F)
+    if w_inv is not None:
+        heads, dim = w_inv.shape[0], w_inv.shape[1]
+        vt = torch.einsum("rhd,hde->rhe", vt.reshape(r, heads, dim), w_inv).reshape(r, -1)  # (r, H·D)
     if sqrt_w is not None:
         u = u / sqrt_w[:, None]
-    return Factors(u.float().contiguous(), vt.float().reshape(r, *delta.shape[1:]).contiguous())
+    factors = Factors(u.float().contiguous(), vt.float().reshape(r, *delta.shape[1:]).contiguous())
+    return factors, s2[:r], float(xw.square().sum())
 
 
 def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | None = None) -> tuple[Tensor, float]:
@@ -326,8 +349,9 @@ def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | Non
     Same weighting as `fit`: adding component i lowers the weighted squared error by exactly σ_i²,
     so the error at rank m is `total − σ²[:m].sum()`.
     """
-    _, xw, _ = _weighted(delta, metric, row_weights)
-    return torch.linalg.svdvals(xw).square(), float(xw.square().sum())
+    _, xw, _, _ = _weighted(delta, metric, row_weights)
+    s2 = torch.linalg.eigvalsh(xw.T @ xw).flip(0).clamp_min(0)
+    return s2[: min(xw.shape)], float(xw.square().sum())
 
 
 def bytes_per_rank(num_tokens: int, feature_size: int, storage: str) -> int:

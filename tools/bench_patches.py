@@ -151,14 +151,7 @@ def measure_orbit(model: Any, tokenizer: Any, seed: int, storage: str, budget: f
 
     def patch_for(delta):
         budget_bytes = int(budget * 2 * sum(dk.numel() + dv.numel() for dk, dv in delta))  # fp16 KV bytes
-        cands = {}
-        for layer, (dk, dv) in enumerate(delta):
-            for slot, d in (("k", dk), ("v", dv)):
-                g, energy = kp.gains(d)
-                cands[(layer, slot)] = (g, max(energy, 1e-30), kp.bytes_per_rank(d.shape[0], d[0].numel(), storage))
-        alloc = kp.allocate_ranks(cands, budget_bytes)
-        ranks = [(alloc.get((l, "k"), 0), alloc.get((l, "v"), 0)) for l in range(len(delta))]
-        return kp.build_patch(delta, ranks, "orbit", storage=storage)
+        return pe.allocate_patch(delta, budget_bytes, storage, "orbit")
 
     orbit = [patch_for(kp.orbit_deficit([deltas[(o, i)] for o in orders])) for i in range(len(chunks))]
     origin = [patch_for(deltas[(orders[0], i)]) for i in range(len(chunks))]

@@ -21,7 +21,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -68,18 +68,25 @@ def _uniform_rank(p, budget: float, storage: str) -> int:
 
 
 def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print) -> dict:
-    """All single-case figures for one seed."""
-    from kamera_core import patch as kp
-    from tools import patch_eval as pe
+    """All single-case figures for one generated case."""
     from tools.patch_texts import make_case
 
     case = make_case(seed)
-    a, b = _encode(tokenizer, case.a, special=True), _encode(tokenizer, case.b)
-    questions = [_encode(tokenizer, q) for q in case.queries]
+    return {"seed": seed, **measure_texts(model, tokenizer, case.a, case.b, case.queries, storage, log, f"seed {seed}")}
+
+
+def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_text: Sequence[str],
+                  storage: str, log=print, label: str = "case") -> dict:
+    """All single-case figures for chunk A, chunk B and questions given as text."""
+    from kamera_core import patch as kp
+    from tools import patch_eval as pe
+
+    a, b = _encode(tokenizer, a_text, special=True), _encode(tokenizer, b_text)
+    questions = [_encode(tokenizer, q) for q in questions_text]
     p = pe.prepare(model, a, b, questions)
     kv_bytes = p.kv_bytes()
     blind = p.kl(p.canonical)
-    log(f"seed {seed}: A {p.a_len} tokens, B {p.b_len} tokens, {len(questions)} questions; blind KL {blind:.4f}")
+    log(f"{label}: A {p.a_len} tokens, B {p.b_len} tokens, {len(questions)} questions; blind KL {blind:.4f}")
 
     full_rank = max(t[0].numel() for t in p.canonical[0])
     exact = kp.build_patch(p.deltas(), [(full_rank, full_rank)] * len(p.canonical), "svd", storage="fp32")
@@ -110,7 +117,7 @@ def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print)
     build = p.alone_s + fit_s
     saving = p.reprefill_s - apply_s
     return {
-        "seed": seed, "a_tokens": p.a_len, "b_tokens": p.b_len, "questions": len(questions),
+        "a_tokens": p.a_len, "b_tokens": p.b_len, "questions": len(questions),
         "kv_bytes": kv_bytes, "blind_kl": blind,
         "full_rank": {"kl": p.kl(exact_kv), "max_logit_diff": p.max_logit_diff(exact_kv),
                       "max_rel_reconstruction_err": reconstruction},

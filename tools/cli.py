@@ -3,6 +3,7 @@
     agentwin demo ...                       relocation demo (tools/demo.py)
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
+    agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
 
 """
 
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run)
     _add_bench(sub)
+    from tools import diagnose
+
+    diag = sub.add_parser("diagnose", help="the deficit of chunk B after chunk A, per layer, and what patches recover",
+                          description=(diagnose.__doc__ or "").split("\n\n")[0])
+    diagnose.add_arguments(diag)
+    diag.set_defaults(func=diagnose.run)
     return parser
 
 

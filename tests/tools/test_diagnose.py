@@ -1,0 +1,14 @@
+"""`agentwin diagnose` input errors are clear and exit 2 before any model loads."""
+
+from tools import cli
+
+
+def test_missing_and_empty_files_are_clear_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    b = tmp_path / "b.txt"
+    b.write_text("Later she told him.")
+    assert cli.main(["diagnose", "--a-file", str(tmp_path / "nope.txt"), "--b-file", str(b), "--question", "Who?"]) == 2
+    assert "cannot read chunk A" in capsys.readouterr().err
+    assert cli.main(["diagnose", "--a-file", str(empty), "--b-file", str(b), "--question", "Who?"]) == 2
+    assert "is empty" in capsys.readouterr().err

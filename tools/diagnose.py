@@ -1,0 +1,83 @@
+"""`agentwin diagnose`: the deficit of one chunk after another, for any supported text model.
+
+    agentwin diagnose --a-file A.txt --b-file B.txt --question "Who ...? Answer:" [--model PATH]
+
+Reports per layer the relative deficit ‖Δ‖/‖KV(B|A)‖ of K and V and the share of its energy in
+the top 8/16/32/64 directions, then next-token KL against a full re-prefill for blind reuse,
+oracle token recompute and each patch method at 1.5–25% of B's KV bytes. `--model` takes
+`smollm2` (the embedded model, default) or a local path / hub name that transformers can load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default) or a path / name transformers can load")
+    parser.add_argument("--a-file", required=True, help="text file of the antecedent chunk A")
+    parser.add_argument("--b-file", required=True, help="text file of the chunk B that reads A")
+    parser.add_argument("--question", action="append", required=True,
+                        help="a question read after [A, B]; repeat for several")
+    parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
+    parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
+
+
+def load_text_model(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 with eager attention; refuses models Kamera cannot relocate."""
+    from kamera_core import rope_specs
+
+    if name == "smollm2":
+        from agentwin.models.zoo import load_smollm2
+
+        model, tokenizer = load_smollm2(torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="eager").eval()
+    rope_specs(model.config)  # UnsupportedModelError (a ValueError) with the reason
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError(f"{name}: diagnose takes text chunks; vision-language models are measured through the Python API")
+    return model, tokenizer
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {what} from {path!r}: {err}") from None
+    if not text.strip():
+        raise ValueError(f"{what} file {path!r} is empty")
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.bench_patches import BUDGETS, print_report, summarise, measure_texts
+
+    try:
+        a_text, b_text = _read(args.a_file, "chunk A"), _read(args.b_file, "chunk B")
+        print(f"loading {args.model} ...", flush=True)
+        model, tokenizer = load_text_model(args.model)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    figures = measure_texts(model, tokenizer, a_text, b_text, args.question, args.storage)
+    print(f"{'layer':>5} {'|dK|/|K|':>9} {'|dV|/|V|':>9} " + " ".join(f"K top{t:<3}" for t in (8, 16, 32, 64)))
+    for row in figures["layers"]:
+        print(f"{row['layer']:>5} {row['rel_delta_k']:>9.4f} {row['rel_delta_v']:>9.4f} "
+              + " ".join(f"{row[f'energy_top{t}_k']:>8.1%}" for t in (8, 16, 32, 64)))
+    summary = summarise([{"seed": 0, **figures}], [])
+    summary["seeds"] = ["given chunks"]
+    print_report(summary)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({**summary, "case": figures, "budgets": BUDGETS}, fh, indent=1)
+        print(f"figures written to {args.json}")
+    return 0

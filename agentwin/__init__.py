@@ -1,3 +1,8 @@
 """agentwin: multimodal agents with a reversible context window (see docs/DESIGN.md)."""
 
 __version__ = "0.1.0"
+
+from agentwin.models.adapter import KameraModel  # noqa: E402
+from agentwin.window import ChunkId, Text, Window  # noqa: E402
+
+__all__ = ["ChunkId", "KameraModel", "Text", "Window", "__version__"]

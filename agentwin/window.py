@@ -1,0 +1,309 @@
+"""The reversible window: ordered chunks whose KV is reused by relocation plus antecedent patches.
+
+Each chunk is encoded once alone (canonical KV, chunk-local frame). Its KV in the window is
+`R(start) · (canonical + patch)`, where the patch restores what its antecedent (the chunks before
+it) told it. Patches are keyed by the antecedent's chunk keys, so returning to a state seen before
+(a recall to the old slot) finds its patch again.
+
+Patch policies:
+- "none": blind reuse, no patch.
+- "origin": the patch fitted when the chunk was appended; for an antecedent never seen, that
+  origin patch is reused as an approximation (with `rank=None` a fresh exact patch is computed).
+- "fresh": every new antecedent gets its own patch from a conditioned pass (costs that pass).
+`rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
+
+Materialisation is incremental: a chunk whose antecedent and start are unchanged keeps its placed
+KV; one whose start moved is re-rotated; only a new antecedent costs a conditioned pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import NewType, Sequence
+
+import torch
+
+from agentwin.models.adapter import KameraModel
+from agentwin.models.kv import LayerKV, concat_kv, relocate_kv
+from kamera_core import patch as kp
+
+ChunkId = NewType("ChunkId", int)
+POLICIES = ("none", "origin", "fresh")
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """A text chunk."""
+
+    text: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Text needs a str, got {type(self.text).__name__}")
+        if not self.text:
+            raise ValueError("Text needs at least one character")
+
+
+@dataclass(slots=True)
+class _Chunk:
+    id: ChunkId
+    key: str
+    ids: torch.Tensor  # (T,)
+    canonical: list[LayerKV]  # chunk-local frame
+    origin: tuple[str, ...]  # antecedent keys when appended
+    slot: int  # index in the window when last present (recall's default place)
+    patches: dict[tuple[str, ...], kp.ChunkPatch] = field(default_factory=dict)
+    placed: tuple[tuple[str, ...], int, list[LayerKV]] | None = None  # (antecedent, start, KV)
+
+
+@dataclass
+class WindowStats:
+    """Counters and times of one window; `prefill_tokens_avoided` counts tokens whose KV came from
+    relocation + patch instead of a forward pass."""
+
+    patch_hits: int = 0
+    patch_misses: int = 0
+    conditioned_passes: int = 0
+    relocations: int = 0
+    prefill_tokens_avoided: int = 0
+    evictions: int = 0
+    recalls: int = 0
+    patch_bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+class Window:
+    """Ordered chunks in context over a `KameraModel`; see the module docstring."""
+
+    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
+                 rank: int | None = 16, storage: str = "fp16") -> None:
+        if not isinstance(km, KameraModel):
+            raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
+        if patch not in POLICIES:
+            raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
+        if rank is not None and (not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
+        if not isinstance(budget_tokens, int) or budget_tokens < 1:
+            raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
+        self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
+        self.storage = "fp32" if rank is None else storage
+        self._chunks: dict[ChunkId, _Chunk] = {}
+        self._order: list[ChunkId] = []
+        self._pinned: set[ChunkId] = set()
+        self._next_id = 0
+        self._stats = WindowStats()
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def append(self, content: Text | str, pin: bool = False) -> ChunkId:
+        """Add a chunk at the end; evicts the oldest unpinned chunks past `budget_tokens`."""
+        t0 = time.perf_counter()
+        content = Text(content) if isinstance(content, str) else content
+        if not isinstance(content, Text):
+            raise TypeError(f"append takes Text or str, got {type(content).__name__}")
+        ids = self.km.tokenize(content.text)
+        if ids.numel() == 0:
+            raise ValueError("the text tokenizes to no tokens")
+        if ids.numel() > self.budget_tokens:
+            raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
+        victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
+        for victim in victims:
+            self.evict(victim)
+        key = hashlib.sha256(self.km.fingerprint.encode() + b"text" + ids.numpy().tobytes()).hexdigest()[:32]
+        antecedent = self._keys(self._order)
+        chunk = _Chunk(ChunkId(self._next_id), key, ids, self.km.encode(ids), antecedent, len(self._order))
+        if self.policy != "none":
+            chunk.patches[antecedent] = self._conditioned_patch(chunk, self._order)
+        self._next_id += 1
+        self._chunks[chunk.id] = chunk
+        self._order.append(chunk.id)
+        if pin:
+            self._pinned.add(chunk.id)
+        self._stats.seconds["append"] += time.perf_counter() - t0
+        return chunk.id
+
+    def evict(self, chunk_id: ChunkId) -> None:
+        """Take a chunk out of the window; its canonical KV and patches stay for a recall."""
+        self._require_in_window(chunk_id)
+        index = self._order.index(chunk_id)
+        self._chunks[chunk_id].slot = index
+        self._order.pop(index)
+        self._pinned.discard(chunk_id)
+        self._stats.evictions += 1
+
+    def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
+        """Bring an evicted chunk back, at its old slot by default (clamped to the window's end)."""
+        if chunk_id not in self._chunks:
+            raise ValueError(f"unknown chunk id {chunk_id!r}")
+        if chunk_id in self._order:
+            raise ValueError(f"chunk {chunk_id} is already in the window")
+        index = self._chunks[chunk_id].slot if at is None else at
+        if not isinstance(index, int) or not 0 <= index <= len(self._order):
+            raise ValueError(f"at must be an int in [0, {len(self._order)}], got {at!r}")
+        if self.tokens() + int(self._chunks[chunk_id].ids.numel()) > self.budget_tokens:
+            raise ValueError("recalling this chunk would exceed budget_tokens; evict something first")
+        self._order.insert(min(index, len(self._order)), chunk_id)
+        self._stats.recalls += 1
+
+    def reorder(self, order: Sequence[ChunkId]) -> None:
+        """Set the window's order; `order` must be a permutation of the chunks in the window."""
+        if sorted(order) != sorted(self._order) or len(set(order)) != len(order):
+            raise ValueError(f"reorder needs a permutation of the window's chunks {self._order}, got {list(order)}")
+        self._order = list(order)
+
+    def pin(self, chunk_id: ChunkId) -> None:
+        """Never evicted by the budget policy while pinned."""
+        self._require_in_window(chunk_id)
+        self._pinned.add(chunk_id)
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def chunks(self) -> list[ChunkId]:
+        return list(self._order)
+
+    def tokens(self) -> int:
+        return sum(int(self._chunks[c].ids.numel()) for c in self._order)
+
+    def input_ids(self, query: str | None = None) -> torch.Tensor:
+        """The exact token sequence a reference re-prefill reads: the window's chunks, then the query."""
+        parts = [self._chunks[c].ids for c in self._order]
+        if query is not None:
+            parts.append(self._query_ids(query))
+        if not parts:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat(parts)
+
+    def next_token_logprobs(self, query: str) -> torch.Tensor:
+        """`[vocab]` float32 log-probabilities of the token after `query`, from the reused cache."""
+        t0 = time.perf_counter()
+        ids = self._query_ids(query)
+        kv, length = self._materialize()
+        logits = self.km.query_logits(kv, length, ids)
+        self._stats.seconds["next_token_logprobs"] += time.perf_counter() - t0
+        return torch.log_softmax(logits, -1)
+
+    def reference_logprobs(self, query: str) -> torch.Tensor:
+        """The same from a full re-prefill of `input_ids(query)`."""
+        ids = self.input_ids(query)
+        return torch.log_softmax(self.km.forward(ids, 0).logits[0, -1].float(), -1)
+
+    def generate(self, query: str, max_new_tokens: int = 32) -> str:
+        """Greedy continuation of `query` read after the reused cache."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        from agentwin.models.kv import build_cache
+
+        kv, length = self._materialize()
+        cache = build_cache(kv, self.km.model.config, self.km.layout) if length else None
+        ids, position, out = self._query_ids(query), length, []
+        eos = getattr(self.km.model.config, "eos_token_id", None)
+        for _ in range(max_new_tokens):
+            result = self.km.forward(ids, position, cache)
+            cache = result.cache  # the forward appended to it (or created it for an empty window)
+            position += int(ids.numel())
+            token = int(result.logits[0, -1].argmax())
+            if token == eos:
+                break
+            out.append(token)
+            ids = torch.tensor([token])
+        return self.km.tokenizer.decode(out)
+
+    def stats(self) -> WindowStats:
+        return self._stats
+
+    def check_integrity(self) -> None:
+        """RuntimeError when an invariant is broken (indicates a bug)."""
+        if len(set(self._order)) != len(self._order):
+            raise RuntimeError("a chunk appears twice in the window; this indicates a bug")
+        if not set(self._order) <= set(self._chunks):
+            raise RuntimeError("the window holds an unknown chunk; this indicates a bug")
+        if not self._pinned <= set(self._order):
+            raise RuntimeError("a pinned chunk is not in the window; this indicates a bug")
+        for c in self._chunks.values():
+            if len(c.canonical) != len(self.km.specs) or c.canonical[0][0].shape[0] != c.ids.numel():
+                raise RuntimeError(f"chunk {c.id} canonical KV does not match its tokens; this indicates a bug")
+        if self.tokens() > self.budget_tokens and len(self._order) > len(self._pinned):
+            raise RuntimeError("the window exceeds its token budget; this indicates a bug")
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _keys(self, order: Sequence[ChunkId]) -> tuple[str, ...]:
+        return tuple(self._chunks[c].key for c in order)
+
+    def _require_in_window(self, chunk_id: ChunkId) -> None:
+        if chunk_id not in self._order:
+            raise ValueError(f"chunk {chunk_id!r} is not in the window (in window: {self._order})")
+
+    def _query_ids(self, query: str) -> torch.Tensor:
+        ids = self.km.tokenize(query)
+        if ids.numel() == 0:
+            raise ValueError("the query tokenizes to no tokens")
+        return ids
+
+    def _slide_plan(self, incoming: int) -> list[ChunkId]:
+        """Chunks to evict, oldest unpinned first (FIFO), so that `incoming` more tokens fit the
+        budget. ValueError, with nothing changed, when the pinned chunks leave too little room."""
+        excess = self.tokens() + incoming - self.budget_tokens
+        victims = []
+        for cid in self._order:
+            if excess <= 0:
+                break
+            if cid not in self._pinned:
+                victims.append(cid)
+                excess -= int(self._chunks[cid].ids.numel())
+        if excess > 0:
+            raise ValueError(f"no room for {incoming} more tokens within budget_tokens={self.budget_tokens}: "
+                             "the pinned chunks take the rest; unpin one or raise the budget")
+        return victims
+
+    def _conditioned_patch(self, chunk: _Chunk, antecedent: Sequence[ChunkId]) -> kp.ChunkPatch:
+        """The patch of `chunk` after `antecedent`, from one conditioned pass on the materialised prefix."""
+        t0 = time.perf_counter()
+        prefix, length = self._materialize(antecedent)
+        conditioned = relocate_kv(self.km.encode_after(prefix, length, chunk.ids), self.km.specs, self.km.layout, -length)
+        deltas = kp.deficit(conditioned, chunk.canonical)
+        full = max(t[0].numel() for t in chunk.canonical[0])
+        rank = full if self.rank is None else self.rank
+        patch = kp.build_patch(deltas, [(rank, rank)] * len(deltas), "svd" if self.rank else "exact", storage=self.storage)
+        self._stats.conditioned_passes += 1
+        self._stats.patch_bytes += patch.nbytes
+        self._stats.seconds["conditioned_pass"] += time.perf_counter() - t0
+        return patch
+
+    def _patch_for(self, chunk: _Chunk, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
+        antecedent = self._keys(antecedent_ids)
+        if self.policy == "none":
+            return None
+        if antecedent in chunk.patches:
+            self._stats.patch_hits += 1
+            return chunk.patches[antecedent]
+        self._stats.patch_misses += 1
+        if self.policy == "fresh" or self.rank is None:
+            chunk.patches[antecedent] = self._conditioned_patch(chunk, antecedent_ids)
+            return chunk.patches[antecedent]
+        return chunk.patches.get(chunk.origin)
+
+    def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
+        """Placed KV of `order` (default: the window) and its token count."""
+        order = self._order if order is None else list(order)
+        parts, start = [], 0
+        for index, cid in enumerate(order):
+            chunk = self._chunks[cid]
+            antecedent = self._keys(order[:index])
+            if chunk.placed is not None and chunk.placed[0] == antecedent and chunk.placed[1] == start:
+                kv = chunk.placed[2]
+            else:
+                passes = self._stats.conditioned_passes
+                patch = self._patch_for(chunk, order[:index])
+                local = chunk.canonical if patch is None else kp.apply_patch(chunk.canonical, patch)
+                kv = relocate_kv(local, self.km.specs, self.km.layout, start)
+                chunk.placed = (antecedent, start, kv)
+                self._stats.relocations += 1
+                if self._stats.conditioned_passes == passes:  # no forward pass was spent on it
+                    self._stats.prefill_tokens_avoided += int(chunk.ids.numel())
+            parts.append(kv)
+            start += int(chunk.ids.numel())
+        return (concat_kv(*parts) if parts else []), start

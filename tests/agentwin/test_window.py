@@ -1,0 +1,177 @@
+"""The Window over tiny models and the real SmolLM2: exactness with exact patches under random
+operation sequences (checked against the transformers model's own forward of `input_ids`),
+incremental materialisation, budgets, and input validation that leaves state unchanged."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from agentwin.models.adapter import KameraModel
+from agentwin.window import Text, Window
+
+TEXTS = ["the harbour master keeps the tide log", "she wrote the storm surge in it",
+         "the keeper climbed the tower at dawn", "he replaced the cracked diaphragm",
+         "the ferry left two hours late", "nobody asked why"]
+QUERY = "who climbed the tower?"
+TOL = 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _km(name: str) -> KameraModel:
+    return KameraModel.from_pretrained(name)
+
+
+def _model_logprobs(km: KameraModel, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: a plain transformers forward of the given ids."""
+    with torch.no_grad():
+        logits = km.model(input_ids=ids[None]).logits[0, -1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "query"]), st.integers(0, 5)),
+               min_size=1, max_size=9)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-deepseek-v3", "tiny-gpt-neox"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sequence=ops)
+def test_exact_patches_match_reprefill_after_any_sequence(name, sequence):
+    km = _km(name)
+    win = Window(km, budget_tokens=4096, patch="origin", rank=None)
+    appended, evicted = [], []
+    for op, arg in sequence:
+        if op == "append":
+            appended.append(win.append(Text(TEXTS[arg % len(TEXTS)])))
+        elif op == "evict" and win.chunks():
+            victim = win.chunks()[arg % len(win.chunks())]
+            win.evict(victim)
+            evicted.append(victim)
+        elif op == "recall" and evicted:
+            win.recall(evicted.pop(arg % len(evicted)))
+        win.check_integrity()
+        mine = win.next_token_logprobs(QUERY)
+        assert float((mine - win.reference_logprobs(QUERY)).abs().max()) <= TOL
+        assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
+
+
+def test_recall_to_old_slot_reuses_its_patch_without_a_pass():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=None)
+    ids = [win.append(t) for t in TEXTS[:3]]
+    win.next_token_logprobs(QUERY)
+    win.evict(ids[1])
+    win.next_token_logprobs(QUERY)  # the third chunk now needs a patch for a new antecedent
+    passes = win.stats().conditioned_passes
+    win.recall(ids[1])
+    assert win.chunks() == ids
+    mine = win.next_token_logprobs(QUERY)
+    assert win.stats().conditioned_passes == passes  # every antecedent was seen before
+    assert float((mine - win.reference_logprobs(QUERY)).abs().max()) <= TOL
+
+
+def test_low_rank_origin_patch_beats_blind_reuse():
+    km = _km("tiny-llama-gqa")
+    errs = {}
+    for policy in ("none", "origin"):
+        win = Window(km, patch=policy, rank=4)
+        for t in TEXTS[:4]:
+            win.append(t)
+        errs[policy] = float((win.next_token_logprobs(QUERY) - win.reference_logprobs(QUERY)).abs().max())
+    assert errs["origin"] < errs["none"]
+    assert errs["none"] > TOL
+
+
+def test_unchanged_prefix_is_not_rerotated():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=None)
+    for t in TEXTS[:3]:
+        win.append(t)
+    win.next_token_logprobs(QUERY)
+    before = win.stats().relocations
+    win.append(TEXTS[3])
+    win.next_token_logprobs(QUERY)
+    # Appending one chunk places only that chunk (plus its conditioned pass's own prefix reuse).
+    assert win.stats().relocations == before + 1
+
+
+def test_budget_slides_fifo_and_respects_pins():
+    km = _km("tiny-llama-gqa")
+    sizes = [len(km.tokenize(t)) for t in TEXTS[:3]]
+    win = Window(km, budget_tokens=sizes[0] + max(sizes[1], sizes[2]) + 1, patch="none")
+    first = win.append(TEXTS[0], pin=True)
+    second = win.append(TEXTS[1])
+    third = win.append(TEXTS[2])
+    assert win.chunks() == [first, third] and second not in win.chunks()
+    assert win.stats().evictions == 1
+    win.check_integrity()
+    with pytest.raises(ValueError, match="pinned"):
+        win.pin(third)
+        win.append(TEXTS[3])
+    assert win.chunks() == [first, third]
+
+
+def test_input_ids_are_the_window_then_the_query():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="none")
+    a, b = win.append(TEXTS[0]), win.append(TEXTS[1])
+    win.reorder([b, a])
+    expected = torch.cat([km.tokenize(TEXTS[1]), km.tokenize(TEXTS[0]), km.tokenize(QUERY)])
+    assert torch.equal(win.input_ids(QUERY), expected)
+    assert torch.equal(win.input_ids(), expected[: -len(km.tokenize(QUERY))])
+
+
+def test_bad_input_raises_and_leaves_the_window_as_it_was():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=None)
+    a = win.append(TEXTS[0])
+    state = (win.chunks(), win.tokens())
+    with pytest.raises(TypeError):
+        win.append(123)
+    with pytest.raises(ValueError):
+        win.append("")
+    with pytest.raises(ValueError):
+        win.evict(99)
+    with pytest.raises(ValueError):
+        win.recall(a)  # already in the window
+    with pytest.raises(ValueError):
+        win.reorder([a, a])
+    with pytest.raises(ValueError):
+        Window(km, patch="sometimes")
+    with pytest.raises(ValueError):
+        Window(km, rank=0)
+    with pytest.raises(TypeError):
+        Window("not a model")
+    assert (win.chunks(), win.tokens()) == state
+    win.check_integrity()
+
+
+def test_vision_language_model_refused_with_reason():
+    from agentwin.models.zoo import build_tiny
+
+    with pytest.raises(ValueError, match="vision-language"):
+        KameraModel(build_tiny("tiny-qwen2-vl"))
+
+
+@pytest.mark.slow
+def test_smollm2_window_exact_and_generates(smollm2):
+    model, tokenizer = smollm2
+    km = KameraModel(model, tokenizer, name="smollm2")
+    win = Window(km, patch="origin", rank=None)
+    ids = [win.append(t) for t in ("Anja Roth is the harbour master.", " Tobias keeps the lighthouse.",
+                                   " The storm broke the fog horn.")]
+    win.evict(ids[1])
+    win.recall(ids[1])
+    query = " Who keeps the lighthouse?"
+    mine = win.next_token_logprobs(query)
+    assert float((mine - _model_logprobs(km, win.input_ids(query))).abs().max()) <= TOL
+    text = win.generate(query, max_new_tokens=6)
+    with torch.no_grad():
+        plain = model.generate(win.input_ids(query)[None], max_new_tokens=6, do_sample=False)
+    new = plain[0, len(win.input_ids(query)):].tolist()
+    eos = model.config.eos_token_id
+    new = new[: new.index(eos)] if eos in new else new
+    assert text == tokenizer.decode(new)

@@ -3,6 +3,7 @@
     agentwin demo ...                       relocation demo (tools/demo.py)
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
+    agentwin bench window --json FILE       window operations: blind vs rank-16 vs exact patches
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
 
 """
@@ -35,6 +36,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_patches.add_arguments(patches)
     patches.set_defaults(func=bench_patches.run)
+    from tools import bench_window
+
+    window = kinds.add_parser(
+        "window",
+        help="KL vs re-prefill after recall / evict / reorder / slide on SmolLM2",
+        description=(bench_window.__doc__ or "").split("\n\n")[0],
+    )
+    bench_window.add_arguments(window)
+    window.set_defaults(func=bench_window.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

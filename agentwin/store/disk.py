@@ -1,0 +1,390 @@
+"""The disk tier: one safetensors file plus one JSON sidecar per entry, under one directory.
+
+Files in `root` (flat):
+- `<digest>.<sha16>.safetensors`: the tensors (never pickle); sha16 = first 16 hex of its sha256.
+- `<digest>.json`: the sidecar, the entry's commit record (format, digest, model fingerprint,
+  tenant, data file name, its size and full sha256, tensor names/dtypes/shapes, tensor bytes,
+  meta, created, last_used). The sidecar's mtime is bumped on every disk hit (the persisted LRU
+  clock); the `last_used` field is the time the sidecar was written.
+- `.lock`: the flock file. `.tmp.*`: writes in progress (or left by a crashed writer).
+
+Crash-safety rule: every file is written to a temp file in `root`, flushed and fsynced, then
+os.replace'd into place and the directory fsynced; the data file is committed before the sidecar
+that names it, and a sidecar is deleted before its data file. So at any instant every sidecar
+names a complete data file, and anything else (temp files, data files no sidecar names) is
+garbage from a dead writer, removed under the exclusive lock. A data file whose size or sha256
+does not match its sidecar is deleted on load and reported as a miss.
+
+Locking: writes, deletes and garbage collection hold `flock(LOCK_EX)` on `.lock`; loads hold
+`LOCK_SH`, so a reader never sees a half-replaced entry.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+FORMAT = "agentwin.store/1"
+LOCK_NAME = ".lock"
+TMP_PREFIX = ".tmp."
+_SIDECAR = re.compile(r"([0-9a-f]{64})\.json")
+_DATA = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{16})\.safetensors")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What the index knows of one entry on disk (parsed from its sidecar)."""
+
+    fingerprint: str
+    tenant: str
+    file: str
+    data_size: int
+    side_size: int
+    sha256: str
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape)
+    nbytes: int
+    meta_json: str
+    created: float
+    sig: tuple[int, int, int]  # sidecar (st_ino, st_size, st_ctime_ns): re-read when it changes
+
+    @property
+    def size(self) -> int:
+        return self.data_size + self.side_size
+
+
+def _parse(raw: bytes, digest: str, sig: tuple[int, int, int]) -> Record | None:
+    """The sidecar's Record, or None when it is malformed in any way."""
+    try:
+        o = json.loads(raw)
+        specs = {n: (s["dtype"], tuple(s["shape"])) for n, s in o["tensors"].items()}
+        ok = (o["format"] == FORMAT and o["digest"] == digest and isinstance(o["model_fingerprint"], str)
+              and isinstance(o["tenant"], str) and isinstance(o["sha256"], str) and _HEX64.fullmatch(o["sha256"])
+              and o["file"] == f"{digest}.{o['sha256'][:16]}.safetensors"
+              and all(type(o[f]) is int and o[f] >= 0 for f in ("size", "nbytes"))
+              and isinstance(o["meta"], dict) and isinstance(o["created"], (int, float))
+              and all(d in DTYPES and all(type(x) is int and x >= 0 for x in sh) for d, sh in specs.values()))
+        if not ok:
+            return None
+        meta_json = json.dumps(o["meta"], sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return Record(o["model_fingerprint"], o["tenant"], o["file"], o["size"], len(raw), o["sha256"], specs,
+                      o["nbytes"], meta_json, float(o["created"]), sig)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+class DiskTier:
+    """Entries under `root` within `budget` bytes (data file + sidecar sizes), LRU first in `index`.
+
+    The index covers every valid entry in the directory, whatever its fingerprint or tenant (they
+    share the budget); callers check ownership. Processes sharing a root should use one budget.
+    """
+
+    def __init__(self, root: Path, budget: int) -> None:
+        self.root, self.budget = root, budget
+        root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_pid = os.getpid()  # a forked child shares the fd's lock: it reopens its own
+        self._lock_mode: int | None = None
+        self.index: OrderedDict[str, Record] = OrderedDict()
+        self.bytes = 0
+        self.evictions = self.corrupt_dropped = 0
+        with self.locked(exclusive=True):
+            self.refresh()
+
+    def close(self) -> None:
+        if getattr(self, "_lock_fd", -1) >= 0 and self._lock_pid == os.getpid():
+            os.close(self._lock_fd)
+        self._lock_fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- locking and low-level file operations ---------------------------------------------------
+    @contextmanager
+    def locked(self, exclusive: bool) -> Iterator[None]:
+        """flock on `.lock`; re-entrant inside an exclusive hold, never an SH → EX upgrade."""
+        if self._lock_pid != os.getpid():
+            self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_pid, self._lock_mode = os.getpid(), None
+        if self._lock_fd < 0:
+            raise ValueError("this ChunkStore was closed; open a new one")
+        if self._lock_mode == fcntl.LOCK_EX:
+            yield
+            return
+        if self._lock_mode is not None:
+            raise RuntimeError("disk lock requested while a shared lock is held; this indicates a bug")
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        fcntl.flock(self._lock_fd, mode)
+        self._lock_mode = mode
+        try:
+            yield
+        finally:
+            self._lock_mode = None
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _require_ex(self) -> None:
+        if self._lock_mode != fcntl.LOCK_EX:
+            raise RuntimeError("disk mutation without the exclusive lock; this indicates a bug")
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _atomic_write(self, name: str, data: bytes) -> None:
+        """temp file in root → write, flush, fsync → os.replace → fsync the directory."""
+        tmp = self.root / f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.root / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._fsync_dir()
+
+    def _drop(self, digest: str) -> None:
+        """Deletes the sidecar (the commit record) first, then every data file of `digest`."""
+        self._require_ex()
+        (self.root / f"{digest}.json").unlink(missing_ok=True)
+        for p in self.root.glob(f"{digest}.*.safetensors"):
+            p.unlink(missing_ok=True)
+        self._fsync_dir()
+        self._unindex(digest)
+
+    def _index(self, digest: str, rec: Record) -> None:
+        self._unindex(digest)
+        self.index[digest] = rec
+        self.bytes += rec.size
+
+    def _unindex(self, digest: str) -> None:
+        old = self.index.pop(digest, None)
+        if old is not None:
+            self.bytes -= old.size
+
+    def _read_sidecar(self, digest: str) -> tuple[str, Record | None]:
+        """("absent" | "corrupt" | "ok", record) read straight from the directory."""
+        path = self.root / f"{digest}.json"
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                raw = f.read()
+        except FileNotFoundError:
+            return "absent", None
+        rec = _parse(raw, digest, (st.st_ino, st.st_size, st.st_ctime_ns))
+        return ("ok", rec) if rec is not None else ("corrupt", None)
+
+    # -- index maintenance -----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Under the exclusive lock: re-scans the sidecars (new, changed, gone) and collects
+        garbage — malformed sidecars and sidecars whose data file is missing (counted as
+        corrupt), temp files and data files no sidecar names (a dead writer's leftovers)."""
+        self._require_ex()
+        names = set(os.listdir(self.root))
+        seen: dict[str, Record] = {}
+        new: list[tuple[int, str]] = []
+        changed = False
+        for name in names:
+            m = _SIDECAR.fullmatch(name)
+            if m is None:
+                continue
+            digest = m[1]
+            try:
+                st = os.stat(self.root / name)
+            except FileNotFoundError:
+                continue
+            sig = (st.st_ino, st.st_size, st.st_ctime_ns)
+            old = self.index.get(digest)
+            if old is not None and old.sig == sig:
+                rec: Record | None = old
+            else:
+                status, rec = self._read_sidecar(digest)
+            if rec is None or rec.file not in names:  # malformed, or its data file is gone
+                (self.root / name).unlink(missing_ok=True)
+                self.corrupt_dropped += 1
+                changed = True
+                continue
+            seen[digest] = rec
+            if old is None:
+                new.append((st.st_mtime_ns, digest))
+            elif old is not rec:
+                self.index[digest] = rec  # keeps its LRU position
+                self.bytes += rec.size - old.size
+        for digest in [d for d in self.index if d not in seen]:
+            self._unindex(digest)
+        for _, digest in sorted(new):
+            self._index(digest, seen[digest])
+        wanted = {r.file for r in seen.values()}
+        for name in names:
+            if name.startswith(TMP_PREFIX) or (_DATA.fullmatch(name) and name not in wanted):
+                (self.root / name).unlink(missing_ok=True)
+                changed = True
+        if changed:
+            self._fsync_dir()
+
+    # -- entry operations ------------------------------------------------------------------------
+    def write(self, digest: str, tensors: dict[str, torch.Tensor], meta_json: str, nbytes: int,
+              fingerprint: str, tenant: str) -> None:
+        """Commits one entry (replacing any of the same digest and owner), first deleting least
+        recently used entries until it fits. ValueError, changing nothing, when it exceeds the
+        budget or the digest is held by another fingerprint/tenant."""
+        blob = safetensors.torch.save(tensors)
+        sha = hashlib.sha256(blob).hexdigest()
+        now = time.time()
+        side = {"format": FORMAT, "digest": digest, "model_fingerprint": fingerprint, "tenant": tenant,
+                "file": f"{digest}.{sha[:16]}.safetensors", "size": len(blob), "sha256": sha,
+                "tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                            for n, t in tensors.items()},
+                "nbytes": nbytes, "meta": json.loads(meta_json), "created": now, "last_used": now}
+        if len(blob) > self.budget:  # cheap early refusal; the exact check (with the sidecar) is below
+            raise ValueError(f"entry {digest[:16]} takes over {len(blob)} bytes on disk, over disk_bytes={self.budget}")
+        with self.locked(exclusive=True):
+            self.refresh()
+            status, old = self._read_sidecar(digest)
+            if old is not None and (old.fingerprint, old.tenant) != (fingerprint, tenant):
+                raise ValueError(f"key digest {digest[:16]} is held on disk by another model fingerprint or "
+                                 "tenant; ChunkKey.of never collides across them, so this key was forged")
+            if old is not None:
+                side["created"] = old.created
+            side_raw = json.dumps(side, sort_keys=True, ensure_ascii=False).encode("utf-8")
+            size = len(blob) + len(side_raw)
+            if size > self.budget:
+                raise ValueError(f"entry {digest[:16]} takes {size} bytes on disk, over disk_bytes={self.budget}")
+            held = self.bytes - (self.index[digest].size if digest in self.index else 0)
+            for victim in list(self.index):
+                if held + size <= self.budget:
+                    break
+                if victim != digest:
+                    held -= self.index[victim].size
+                    self._drop(victim)
+                    self.evictions += 1
+            if held + size > self.budget:
+                raise RuntimeError("disk eviction could not make room; this indicates a bug")
+            self._atomic_write(side["file"], blob)
+            self._atomic_write(f"{digest}.json", side_raw)
+            if old is not None and old.file != side["file"]:
+                (self.root / old.file).unlink(missing_ok=True)
+            status, rec = self._read_sidecar(digest)
+            if rec is None:
+                raise RuntimeError(f"sidecar of {digest[:16]} unreadable right after writing; this indicates a bug")
+            self._index(digest, rec)
+
+    def _try_load(self, digest: str, fingerprint: str, tenant: str
+                  ) -> tuple[str, Record | None, dict[str, torch.Tensor] | None]:
+        """("absent" | "foreign" | "corrupt" | "ok", record, tensors); verifies size, sha256,
+        names, dtypes and shapes."""
+        status, rec = self._read_sidecar(digest)
+        if rec is None:
+            return status, None, None
+        if (rec.fingerprint, rec.tenant) != (fingerprint, tenant):
+            return "foreign", rec, None
+        try:
+            blob = (self.root / rec.file).read_bytes()
+        except FileNotFoundError:
+            return "corrupt", rec, None
+        if len(blob) != rec.data_size or hashlib.sha256(blob).hexdigest() != rec.sha256:
+            return "corrupt", rec, None
+        try:
+            tensors = safetensors.torch.load(blob)
+        except Exception:  # any parse failure of a checksummed-but-bad file is corruption
+            return "corrupt", rec, None
+        got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+        if got != rec.tensors or sum(t.numel() * t.element_size() for t in tensors.values()) != rec.nbytes:
+            return "corrupt", rec, None
+        return "ok", rec, tensors
+
+    def load(self, digest: str, fingerprint: str, tenant: str) -> tuple[dict[str, torch.Tensor], Record] | None:
+        """The verified entry (counted as used), or None: absent, another owner's, or corrupt
+        (then deleted under the exclusive lock and counted in `corrupt_dropped`)."""
+        with self.locked(exclusive=False):
+            status, rec, tensors = self._try_load(digest, fingerprint, tenant)
+        if status == "corrupt":
+            with self.locked(exclusive=True):  # re-check: another process may have replaced it
+                status, rec, tensors = self._try_load(digest, fingerprint, tenant)
+                if status == "corrupt":
+                    self._drop(digest)
+                    self.corrupt_dropped += 1
+        if status == "absent":
+            self._unindex(digest)
+        if status != "ok" or rec is None or tensors is None:
+            return None
+        if self.index.get(digest) != rec:
+            self._index(digest, rec)
+        self.touch(digest, persist=True)
+        return tensors, rec
+
+    def owned(self, digest: str, fingerprint: str, tenant: str) -> bool:
+        """True when a sidecar of this owner exists and names an existing data file (no checksum)."""
+        _, rec = self._read_sidecar(digest)
+        return (rec is not None and (rec.fingerprint, rec.tenant) == (fingerprint, tenant)
+                and (self.root / rec.file).exists())
+
+    def delete(self, digest: str, fingerprint: str, tenant: str) -> bool:
+        """Deletes the entry if this owner's (or malformed); never another owner's."""
+        with self.locked(exclusive=True):
+            status, rec = self._read_sidecar(digest)
+            if status == "absent" or (rec is not None and (rec.fingerprint, rec.tenant) != (fingerprint, tenant)):
+                if status == "absent":
+                    self._unindex(digest)
+                return False
+            self._drop(digest)
+            return True
+
+    def touch(self, digest: str, persist: bool = False) -> None:
+        """Marks `digest` most recently used (in this process; with `persist`, also the sidecar mtime)."""
+        if digest in self.index:
+            self.index.move_to_end(digest)
+        if persist:
+            try:
+                os.utime(self.root / f"{digest}.json")
+            except FileNotFoundError:
+                pass
+
+    def check(self) -> None:
+        """RuntimeError when the directory and the index disagree or the budget is exceeded
+        (after collecting crash garbage under the exclusive lock)."""
+        with self.locked(exclusive=True):
+            self.refresh()
+            names = set(os.listdir(self.root))
+            total = 0
+            for digest, rec in self.index.items():
+                for name, want in ((f"{digest}.json", rec.side_size), (rec.file, rec.data_size)):
+                    try:
+                        size = os.stat(self.root / name).st_size
+                    except FileNotFoundError:
+                        raise RuntimeError(f"disk index names missing file {name}; this indicates a bug") from None
+                    if size != want:
+                        raise RuntimeError(f"{name} is {size} bytes, its sidecar says {want}; this indicates a bug")
+                total += rec.size
+            if total != self.bytes or total > self.budget:
+                raise RuntimeError(f"disk holds {total} bytes, counts {self.bytes}, budget {self.budget}; "
+                                   "this indicates a bug")
+            indexed = {f"{d}.json" for d in self.index} | {r.file for r in self.index.values()}
+            stray = {n for n in names if n.startswith(TMP_PREFIX) or _SIDECAR.fullmatch(n) or _DATA.fullmatch(n)}
+            if stray - indexed:
+                raise RuntimeError(f"unindexed store files {sorted(stray - indexed)[:3]}; this indicates a bug")

@@ -1,0 +1,353 @@
+"""`ChunkStore`: content-addressed entries (named tensors + a small JSON meta dict) in up to three
+tiers — accelerator (optional), host RAM, disk (optional) — each under a byte budget, LRU within
+each tier, with pinning, checksums and model/tenant isolation. See README.md in this folder.
+
+Placement:
+- put: into RAM (making room by moving least recently used unpinned entries out) and, when a
+  root is given, written through to disk at once (so other processes see it and a crash loses
+  nothing acknowledged). An entry larger than `ram_bytes` goes to disk only (refused when there
+  is no root, or when pin=True); an entry larger than `disk_bytes` (with a root) is refused.
+- get: RAM hit, else disk hit (verified, then promoted to RAM if it fits next to the pins),
+  then copied to the device tier when one is configured and the entry fits its budget. The
+  device tier mirrors a subset of RAM (device ⊆ RAM): leaving RAM also leaves the device.
+- RAM over budget: LRU unpinned entries leave RAM; with a root they are demoted to disk (already
+  there thanks to write-through unless the disk tier dropped them, then written), else dropped.
+  Disk over budget: LRU entries are deleted. The device tier drops LRU copies.
+Budgets hold after every call: a call that cannot keep them raises ValueError and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from agentwin.store.disk import DTYPES, DiskTier
+from agentwin.store.keys import ChunkKey, canonical_json, check_key
+from agentwin.store.tiers import Entry, MemoryTier
+
+Tensor = torch.Tensor
+MAX_META_BYTES = 1 << 20
+_EMPTY: Mapping[str, object] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters since the store was opened, and current tier occupancy.
+
+    hits / misses: `get` calls served / not served. *_bytes, *_entries: what each tier holds now
+    (RAM and device: tensor bytes; disk: file bytes, data + sidecar, of every entry under root).
+    evictions: entries deleted for budget from their last tier (disk LRU deletions; RAM drops
+    without a root or when the disk write failed). demotions: RAM entries moved out to disk, and
+    device copies dropped for budget (their RAM copy stays). promotions: disk → RAM and RAM →
+    device copies made by get/pin. corrupt_dropped: disk entries deleted because their sidecar or
+    data failed verification.
+    """
+
+    hits: int
+    misses: int
+    device_bytes: int
+    ram_bytes: int
+    disk_bytes: int
+    device_entries: int
+    ram_entries: int
+    disk_entries: int
+    evictions: int
+    demotions: int
+    promotions: int
+    corrupt_dropped: int
+
+
+def _budget(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int number of bytes, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def _prepare(tensors: object) -> dict[str, Tensor]:
+    """Contiguous CPU copies of `tensors` (NaN/inf allowed: it is data), validated."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of str names to torch.Tensor, got {type(tensors).__name__}")
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
+        if not isinstance(t, Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_quantized:
+            raise TypeError(f"tensors[{name!r}] must be a dense tensor, got layout {t.layout}")
+        if t.dtype not in DTYPES.values():
+            raise TypeError(f"tensors[{name!r}] has dtype {t.dtype}; supported: {sorted(DTYPES)}")
+        t = t.detach()
+        out[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)  # contiguous copy
+    return out
+
+
+class ChunkStore:
+    """Content-addressed store of entries `(dict[str, Tensor], meta dict)` keyed by `ChunkKey`.
+
+    root: directory of the disk tier (created if missing; owned by the store; may be shared by
+        processes of any fingerprint/tenant, which then share `disk_bytes`). None: no disk tier.
+    ram_bytes / disk_bytes / device_bytes: byte budgets (tensor bytes for RAM and device; file
+        bytes on disk). device: e.g. "cuda" (needs device_bytes > 0) for an accelerator tier.
+    model_fingerprint / tenant: recorded with every disk entry; entries recorded under another
+        fingerprint or tenant are never returned, whatever the key.
+    Returned tensors are the cached ones (do not modify them in place); meta is a fresh dict.
+    Thread-safe (one lock per store); process-safe through flock on the root.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, *, ram_bytes: int = 2 << 30,
+                 disk_bytes: int = 20 << 30, device: str | None = None, device_bytes: int = 0,
+                 model_fingerprint: str = "", tenant: str = "") -> None:
+        ram_bytes, disk_bytes = _budget(ram_bytes, "ram_bytes"), _budget(disk_bytes, "disk_bytes")
+        device_bytes = _budget(device_bytes, "device_bytes")
+        for what, v in (("model_fingerprint", model_fingerprint), ("tenant", tenant)):
+            if not isinstance(v, str):
+                raise TypeError(f"{what} must be a str, got {type(v).__name__} {v!r}")
+        if root is not None and not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path or None, got {type(root).__name__}")
+        self._fp, self._tenant = model_fingerprint, tenant
+        self._dev: MemoryTier | None = None
+        if device is None:
+            if device_bytes:
+                raise ValueError(f"device_bytes={device_bytes} needs a device (e.g. device='cuda')")
+        else:
+            try:
+                dev = torch.device(device)
+            except (TypeError, RuntimeError) as exc:
+                raise ValueError(f"device must name a torch device, got {device!r}: {exc}") from None
+            if dev.type == "cuda":
+                if not torch.cuda.is_available():
+                    raise ValueError(f"device={device!r} but CUDA is not available")
+                dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+            if device_bytes == 0:
+                raise ValueError(f"device={device!r} needs device_bytes > 0")
+            self._dev = MemoryTier("device", device_bytes, dev)
+        self._ram = MemoryTier("ram", ram_bytes, torch.device("cpu"))
+        self._disk = DiskTier(Path(root), disk_bytes) if root is not None else None
+        self._hits = self._misses = self._evictions = self._demotions = self._promotions = 0
+        self._mutex = threading.RLock()
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self._fp
+
+    @property
+    def tenant(self) -> str:
+        return self._tenant
+
+    def close(self) -> None:
+        """Releases the lock file; afterwards any call that needs the disk raises ValueError."""
+        if self._disk is not None:
+            self._disk.close()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public API --------------------------------------------------------------------------------
+    def put(self, key: ChunkKey, tensors: Mapping[str, Tensor], meta: Mapping[str, object] = _EMPTY,
+            pin: bool = False) -> None:
+        """Stores contiguous CPU copies of `tensors` (any shapes, supported dtypes) and JSON-able
+        `meta` under `key`, replacing an existing entry; pin=True keeps it in RAM (an existing pin
+        is kept either way). ValueError (changing nothing) when it cannot fit: over a budget, or
+        RAM full of pinned entries."""
+        with self._mutex:
+            digest = check_key(key).digest
+            if not isinstance(pin, bool):
+                raise TypeError(f"pin must be a bool, got {type(pin).__name__} {pin!r}")
+            prepared = _prepare(tensors)
+            meta_json = canonical_json(meta, "meta")
+            if len(meta_json.encode("utf-8")) > MAX_META_BYTES:
+                raise ValueError(f"meta is {len(meta_json)} bytes of JSON; keep it under {MAX_META_BYTES}")
+            nbytes = sum(t.numel() * t.element_size() for t in prepared.values())
+            victims: list[str] | None = None
+            if nbytes > self._ram.budget:
+                if pin or digest in self._ram.pinned or self._disk is None:
+                    why = "there is no disk tier (root=None)" if self._disk is None else "it is pinned"
+                    raise ValueError(f"entry {key} has {nbytes} bytes, over ram_bytes={self._ram.budget}, and {why}")
+            else:
+                victims = self._ram.victims(nbytes, replacing=digest)
+                if victims is None:
+                    raise ValueError(f"entry {key} ({nbytes} bytes) does not fit in ram_bytes={self._ram.budget}: "
+                                     f"{self._ram.pinned_bytes(excluding=digest)} bytes are pinned; unpin some")
+            if self._disk is not None:
+                self._disk.write(digest, prepared, meta_json, nbytes, self._fp, self._tenant)
+            if self._dev is not None:
+                self._dev.remove(digest)
+            if victims is None:
+                self._ram.remove(digest)  # a stale copy of an older value
+                return
+            for v in victims:
+                self._demote(v)
+            self._ram.insert(digest, Entry(prepared, meta_json, nbytes))
+            if pin:
+                self._ram.pinned.add(digest)
+
+    def get(self, key: ChunkKey) -> tuple[dict[str, Tensor], dict] | None:
+        """`(tensors, meta)` or None on a miss (absent, another fingerprint's or tenant's, or a
+        disk entry that failed verification, which is then deleted). Tensors are on the device
+        when the device tier holds the entry, else on the CPU."""
+        with self._mutex:
+            digest = check_key(key).digest
+            e = self._ram.get(digest)
+            if e is not None:
+                self._hits += 1
+                if self._disk is not None:
+                    self._disk.touch(digest)
+                return self._deliver(digest, e)
+            if self._disk is not None and (got := self._disk.load(digest, self._fp, self._tenant)) is not None:
+                self._hits += 1
+                tensors, rec = got
+                e = Entry(tensors, rec.meta_json, rec.nbytes)
+                if self._promote(digest, e):
+                    return self._deliver(digest, e)
+                return dict(e.tensors), json.loads(e.meta_json)  # disk-only: too big for RAM now
+            self._misses += 1
+            return None
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether get would find the entry (a disk entry's checksum is only verified by get)."""
+        with self._mutex:
+            digest = check_key(key).digest
+            return digest in self._ram or (
+                self._disk is not None and self._disk.owned(digest, self._fp, self._tenant))
+
+    def pin(self, key: ChunkKey) -> None:
+        """Keeps the entry in RAM until unpinned (loading it from disk if needed). ValueError when
+        it is not in the store or cannot fit in RAM next to the other pinned entries."""
+        with self._mutex:
+            digest = check_key(key).digest
+            if digest not in self._ram and self._disk is not None:
+                got = self._disk.load(digest, self._fp, self._tenant)
+                if got is not None:
+                    e = Entry(got[0], got[1].meta_json, got[1].nbytes)
+                    if not self._promote(digest, e):
+                        raise ValueError(f"cannot pin {key}: {e.nbytes} bytes do not fit in ram_bytes="
+                                         f"{self._ram.budget} with {self._ram.pinned_bytes()} bytes pinned")
+            if digest not in self._ram:
+                raise ValueError(f"cannot pin {key}: it is not in the store")
+            self._ram.pinned.add(digest)
+
+    def unpin(self, key: ChunkKey) -> None:
+        """Lets the entry be evicted again (no-op when it is not pinned)."""
+        with self._mutex:
+            self._ram.pinned.discard(check_key(key).digest)
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Removes the entry from every tier (never another fingerprint's or tenant's disk
+        entry); True when something was removed."""
+        with self._mutex:
+            digest = check_key(key).digest
+            removed = self._ram.remove(digest) is not None
+            if self._dev is not None:
+                self._dev.remove(digest)
+            if self._disk is not None:
+                removed = self._disk.delete(digest, self._fp, self._tenant) or removed
+            return removed
+
+    def tiers(self, key: ChunkKey) -> frozenset[str]:
+        """Diagnostics: the tiers ("device", "ram", "disk") holding the entry now."""
+        with self._mutex:
+            digest = check_key(key).digest
+            out = {"ram"} if digest in self._ram else set()
+            if self._dev is not None and digest in self._dev:
+                out.add("device")
+            if self._disk is not None and self._disk.owned(digest, self._fp, self._tenant):
+                out.add("disk")
+            return frozenset(out)
+
+    def stats(self) -> StoreStats:
+        with self._mutex:
+            dev, disk = self._dev, self._disk
+            return StoreStats(
+                hits=self._hits, misses=self._misses,
+                device_bytes=dev.bytes if dev else 0, ram_bytes=self._ram.bytes, disk_bytes=disk.bytes if disk else 0,
+                device_entries=len(dev.entries) if dev else 0, ram_entries=len(self._ram.entries),
+                disk_entries=len(disk.index) if disk else 0,
+                evictions=self._evictions + (disk.evictions if disk else 0), demotions=self._demotions,
+                promotions=self._promotions, corrupt_dropped=disk.corrupt_dropped if disk else 0)
+
+    def check_integrity(self) -> None:
+        """RuntimeError on any broken invariant: a tier over budget or miscounted, pins outside
+        RAM, device entries outside RAM, tensors misplaced, disk index versus files (after
+        collecting crash leftovers under the exclusive lock)."""
+        with self._mutex:
+            self._ram.check()
+            if self._dev is not None:
+                self._dev.check()
+                if not set(self._dev.entries) <= set(self._ram.entries):
+                    raise RuntimeError("device tier holds entries RAM does not; this indicates a bug")
+            if self._disk is not None:
+                self._disk.check()
+            if min(self._hits, self._misses, self._evictions, self._demotions, self._promotions) < 0:
+                raise RuntimeError("negative counter; this indicates a bug")
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _promote(self, digest: str, e: Entry) -> bool:
+        """Disk → RAM when it fits next to the pins (moving LRU entries out); False otherwise."""
+        if e.nbytes > self._ram.budget or (victims := self._ram.victims(e.nbytes, replacing=digest)) is None:
+            return False
+        for v in victims:
+            self._demote(v)
+        self._ram.insert(digest, e)
+        self._promotions += 1
+        return True
+
+    def _demote(self, digest: str) -> None:
+        """Moves an unpinned entry out of RAM (and the device): to disk when there is a root."""
+        if digest in self._ram.pinned:
+            raise RuntimeError(f"demoting pinned entry {digest[:16]}; this indicates a bug")
+        e = self._ram.remove(digest)
+        if e is None:
+            raise RuntimeError(f"demoting {digest[:16]}, which RAM does not hold; this indicates a bug")
+        if self._dev is not None:
+            self._dev.remove(digest)
+        if self._disk is None:
+            self._evictions += 1
+            return
+        if not self._disk.owned(digest, self._fp, self._tenant):
+            try:
+                self._disk.write(digest, e.tensors, e.meta_json, e.nbytes, self._fp, self._tenant)
+            except (OSError, ValueError) as exc:
+                warnings.warn(f"dropping {digest[:16]} from RAM: writing it to disk failed: {exc}", stacklevel=3)
+                self._evictions += 1
+                return
+        else:
+            self._disk.touch(digest)
+        self._demotions += 1
+
+    def _deliver(self, digest: str, e: Entry) -> tuple[dict[str, Tensor], dict]:
+        """The RAM entry, or its device copy (made if it fits the device budget)."""
+        dev = self._dev
+        if dev is not None:
+            d = dev.get(digest)
+            if d is None and e.nbytes <= dev.budget:
+                victims = dev.victims(e.nbytes)
+                if victims is None:
+                    raise RuntimeError("device tier has pins; this indicates a bug")
+                try:
+                    copy = {n: t.to(dev.device) for n, t in e.tensors.items()}
+                except torch.OutOfMemoryError:
+                    copy = None
+                if copy is not None:
+                    for v in victims:
+                        dev.remove(v)
+                        self._demotions += 1
+                    d = Entry(copy, e.meta_json, e.nbytes)
+                    dev.insert(digest, d)
+                    self._promotions += 1
+            if d is not None:
+                return dict(d.tensors), json.loads(e.meta_json)
+        return dict(e.tensors), json.loads(e.meta_json)

@@ -1,0 +1,103 @@
+"""In-memory tiers (host RAM and an optional accelerator): an LRU of entries under a byte budget.
+
+An entry is a dict of named tensors plus its metadata as canonical JSON text. Entry size is the
+sum of `numel · element_size` over its tensors. Pins are a property of the RAM tier only: a pinned
+entry is never chosen as a victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def tensors_nbytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One cached entry: `tensors` (contiguous, on the tier's device), `meta_json` (canonical
+    JSON text of the metadata dict) and `nbytes` = sum of the tensors' bytes."""
+
+    tensors: dict[str, Tensor]
+    meta_json: str
+    nbytes: int
+
+
+class MemoryTier:
+    """LRU (least recently used first) of `Entry` by digest, never above `budget` bytes."""
+
+    def __init__(self, name: str, budget: int, device: torch.device) -> None:
+        self.name, self.budget, self.device = name, budget, device
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.pinned: set[str] = set()
+        self.bytes = 0
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self.entries
+
+    def get(self, digest: str, touch: bool = True) -> Entry | None:
+        e = self.entries.get(digest)
+        if e is not None and touch:
+            self.entries.move_to_end(digest)
+        return e
+
+    def victims(self, nbytes: int, replacing: str | None = None) -> list[str] | None:
+        """Unpinned digests, least recently used first, whose removal makes room for `nbytes`
+        more (after `replacing`'s own entry, if present, is dropped); None when pins (or the
+        budget) make that impossible. Changes nothing."""
+        held = self.bytes - (self.entries[replacing].nbytes if replacing in self.entries else 0)
+        excess = held + nbytes - self.budget
+        out: list[str] = []
+        for d, e in self.entries.items():
+            if excess <= 0:
+                break
+            if d == replacing or d in self.pinned:
+                continue
+            out.append(d)
+            excess -= e.nbytes
+        return out if excess <= 0 else None
+
+    def pinned_bytes(self, excluding: str | None = None) -> int:
+        return sum(self.entries[d].nbytes for d in self.pinned if d != excluding)
+
+    def insert(self, digest: str, entry: Entry) -> None:
+        """Adds (or replaces) `digest` as most recently used; the caller made room first."""
+        self.remove(digest, unpin=False)
+        if self.bytes + entry.nbytes > self.budget:
+            raise RuntimeError(f"{self.name} tier insert over budget ({self.bytes} + {entry.nbytes} > "
+                               f"{self.budget}); this indicates a bug")
+        self.entries[digest] = entry
+        self.bytes += entry.nbytes
+
+    def remove(self, digest: str, unpin: bool = True) -> Entry | None:
+        e = self.entries.pop(digest, None)
+        if e is not None:
+            self.bytes -= e.nbytes
+        if unpin:
+            self.pinned.discard(digest)
+        return e
+
+    def check(self) -> None:
+        """RuntimeError when an invariant is broken (budget, byte count, pins, placement)."""
+        total = 0
+        for d, e in self.entries.items():
+            actual = tensors_nbytes(e.tensors)
+            if actual != e.nbytes:
+                raise RuntimeError(f"{self.name} entry {d[:16]} records {e.nbytes} bytes but holds {actual}; "
+                                   "this indicates a bug")
+            for name, t in e.tensors.items():
+                if t.device != self.device or not t.is_contiguous():
+                    raise RuntimeError(f"{self.name} entry {d[:16]} tensor {name!r} is on {t.device} "
+                                       f"(contiguous={t.is_contiguous()}); this indicates a bug")
+            total += e.nbytes
+        if total != self.bytes or self.bytes > self.budget:
+            raise RuntimeError(f"{self.name} tier holds {total} bytes, counts {self.bytes}, budget {self.budget}; "
+                               "this indicates a bug")
+        if not self.pinned <= set(self.entries):
+            raise RuntimeError(f"{self.name} tier pins entries it does not hold; this indicates a bug")

@@ -18,7 +18,6 @@ KV; one whose start moved is re-rotated; only a new antecedent costs a condition
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from agentwin.models.adapter import KameraModel
 from agentwin.models.kv import LayerKV, concat_kv, relocate_kv
+from agentwin.store import ChunkKey, ChunkStore, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv, tensors_to_patch
 from kamera_core import patch as kp
 
 ChunkId = NewType("ChunkId", int)
@@ -50,13 +50,13 @@ class Text:
 @dataclass(slots=True)
 class _Chunk:
     id: ChunkId
-    key: str
+    key: ChunkKey
     ids: torch.Tensor  # (T,)
     canonical: list[LayerKV]  # chunk-local frame
-    origin: tuple[str, ...]  # antecedent keys when appended
+    origin: tuple[ChunkKey, ...]  # antecedent keys when appended
     slot: int  # index in the window when last present (recall's default place)
-    patches: dict[tuple[str, ...], kp.ChunkPatch] = field(default_factory=dict)
-    placed: tuple[tuple[str, ...], int, list[LayerKV]] | None = None  # (antecedent, start, KV)
+    patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
+    placed: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None  # (antecedent, start, KV)
 
 
 @dataclass
@@ -66,6 +66,8 @@ class WindowStats:
 
     patch_hits: int = 0
     patch_misses: int = 0
+    canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
+    encode_tokens_avoided: int = 0
     conditioned_passes: int = 0
     relocations: int = 0
     prefill_tokens_avoided: int = 0
@@ -79,7 +81,10 @@ class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
-                 rank: int | None = 16, storage: str = "fp16") -> None:
+                 rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16") -> None:
+        """store: where canonical KV and patches live, shared by every window (and process, with a
+        disk root) that uses it; default a private RAM-only store. Same content under the same
+        model is encoded once."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
@@ -88,6 +93,11 @@ class Window:
             raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
+        if store is not None and not isinstance(store, ChunkStore):
+            raise TypeError(f"store must be an agentwin.store.ChunkStore or None, got {type(store).__name__}")
+        if store is not None and store.model_fingerprint not in ("", km.fingerprint):
+            raise ValueError("the store belongs to another model (fingerprint differs); open one for this model")
+        self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
         self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
         self.storage = "fp32" if rank is None else storage
         self._chunks: dict[ChunkId, _Chunk] = {}
@@ -112,11 +122,11 @@ class Window:
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
         for victim in victims:
             self.evict(victim)
-        key = hashlib.sha256(self.km.fingerprint.encode() + b"text" + ids.numpy().tobytes()).hexdigest()[:32]
+        key = ChunkKey.of(self.km.fingerprint, "text", ids.tolist(), tenant=self.store.tenant)
         antecedent = self._keys(self._order)
-        chunk = _Chunk(ChunkId(self._next_id), key, ids, self.km.encode(ids), antecedent, len(self._order))
-        if self.policy != "none":
-            chunk.patches[antecedent] = self._conditioned_patch(chunk, self._order)
+        chunk = _Chunk(ChunkId(self._next_id), key, ids, self._canonical(key, ids), antecedent, len(self._order))
+        if self.policy != "none" and self._stored_patch(chunk, antecedent) is None:
+            self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, self._order))
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)
@@ -230,7 +240,7 @@ class Window:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _keys(self, order: Sequence[ChunkId]) -> tuple[str, ...]:
+    def _keys(self, order: Sequence[ChunkId]) -> tuple[ChunkKey, ...]:
         return tuple(self._chunks[c].key for c in order)
 
     def _require_in_window(self, chunk_id: ChunkId) -> None:
@@ -277,14 +287,43 @@ class Window:
         antecedent = self._keys(antecedent_ids)
         if self.policy == "none":
             return None
-        if antecedent in chunk.patches:
+        found = self._stored_patch(chunk, antecedent)
+        if found is not None:
             self._stats.patch_hits += 1
-            return chunk.patches[antecedent]
+            return found
         self._stats.patch_misses += 1
         if self.policy == "fresh" or self.rank is None:
-            chunk.patches[antecedent] = self._conditioned_patch(chunk, antecedent_ids)
+            return self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, antecedent_ids))
+        return self._stored_patch(chunk, chunk.origin)
+
+    def _canonical(self, key: ChunkKey, ids: torch.Tensor) -> list[LayerKV]:
+        """Canonical KV from the store, or encoded alone once and stored."""
+        hit = self.store.get(key)
+        if hit is not None:
+            self._stats.canonical_hits += 1
+            self._stats.encode_tokens_avoided += int(ids.numel())
+            return tensors_to_kv(hit[0])
+        kv = self.km.encode(ids)
+        self.store.put(key, kv_to_tensors(kv), {"modality": "text", "tokens": int(ids.numel())})
+        return kv
+
+    def _patch_key(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:
+        return patch_key(chunk.key, antecedent, self.rank, "exact" if self.rank is None else f"svd-{self.storage}")
+
+    def _stored_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> kp.ChunkPatch | None:
+        """The patch of `chunk` for `antecedent`: this window's copy, else the store's."""
+        if antecedent in chunk.patches:
             return chunk.patches[antecedent]
-        return chunk.patches.get(chunk.origin)
+        hit = self.store.get(self._patch_key(chunk, antecedent))
+        if hit is None:
+            return None
+        chunk.patches[antecedent] = tensors_to_patch(*hit)
+        return chunk.patches[antecedent]
+
+    def _keep_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], patch: kp.ChunkPatch) -> kp.ChunkPatch:
+        chunk.patches[antecedent] = patch
+        self.store.put(self._patch_key(chunk, antecedent), *patch_to_tensors(patch))
+        return patch
 
     def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
         """Placed KV of `order` (default: the window) and its token count."""

@@ -175,3 +175,34 @@ def test_smollm2_window_exact_and_generates(smollm2):
     eos = model.config.eos_token_id
     new = new[: new.index(eos)] if eos in new else new
     assert text == tokenizer.decode(new)
+
+
+def test_store_shares_canonical_kv_and_patches_across_windows(tmp_path):
+    from agentwin.store import ChunkStore
+
+    km = _km("tiny-llama-gqa")
+    store = ChunkStore(tmp_path, model_fingerprint=km.fingerprint)
+    first = Window(km, patch="origin", rank=None, store=store)
+    for t in TEXTS[:3]:
+        first.append(t)
+    expected = first.next_token_logprobs(QUERY)
+    # Another window (here: another store object on the same root, as another process would
+    # open it) sees the same content: no encode, no conditioned pass, the same distribution.
+    second = Window(km, patch="origin", rank=None, store=ChunkStore(tmp_path, model_fingerprint=km.fingerprint))
+    for t in TEXTS[:3]:
+        second.append(t)
+    got = second.next_token_logprobs(QUERY)
+    s = second.stats()
+    assert s.canonical_hits == 3 and s.conditioned_passes == 0 and s.encode_tokens_avoided > 0
+    assert torch.equal(got, expected)
+    assert float((got - second.reference_logprobs(QUERY)).abs().max()) <= TOL
+
+
+def test_store_of_another_model_is_refused(tmp_path):
+    from agentwin.store import ChunkStore
+
+    km = _km("tiny-llama-gqa")
+    with pytest.raises(ValueError, match="another model"):
+        Window(km, store=ChunkStore(tmp_path, model_fingerprint="0" * 32))
+    with pytest.raises(TypeError):
+        Window(km, store={})

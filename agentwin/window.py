@@ -75,6 +75,7 @@ class WindowStats:
     recalls: int = 0
     patch_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    store: object = None  # StoreStats at the last stats() call
 
 
 class Window:
@@ -222,6 +223,8 @@ class Window:
         return self.km.tokenizer.decode(out)
 
     def stats(self) -> WindowStats:
+        """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""
+        self._stats.store = self.store.stats()
         return self._stats
 
     def check_integrity(self) -> None:

@@ -194,6 +194,7 @@ def test_store_shares_canonical_kv_and_patches_across_windows(tmp_path):
     got = second.next_token_logprobs(QUERY)
     s = second.stats()
     assert s.canonical_hits == 3 and s.conditioned_passes == 0 and s.encode_tokens_avoided > 0
+    assert s.store.hits >= 3 and s.store.disk_bytes > 0
     assert torch.equal(got, expected)
     assert float((got - second.reference_logprobs(QUERY)).abs().max()) <= TOL
 

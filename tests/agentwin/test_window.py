@@ -207,3 +207,11 @@ def test_store_of_another_model_is_refused(tmp_path):
         Window(km, store=ChunkStore(tmp_path, model_fingerprint="0" * 32))
     with pytest.raises(TypeError):
         Window(km, store={})
+
+
+def test_chunk_moved_to_the_front_uses_its_exact_canonical_kv():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=2)
+    first, second = win.append(TEXTS[0]), win.append(TEXTS[1])
+    win.evict(first)  # `second` now has no antecedent: its canonical KV is exactly right
+    assert float((win.next_token_logprobs(QUERY) - win.reference_logprobs(QUERY)).abs().max()) <= TOL

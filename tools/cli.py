@@ -12,58 +12,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import ModuleType
 from typing import Sequence
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from tools import bench_relocate
-
-    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
-    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    relocate = kinds.add_parser(
-        "relocate",
-        help="CPU relocation throughput as a ratio to a plain copy",
-        description=(bench_relocate.__doc__ or "").split("\n\n")[0],
-    )
-    bench_relocate.add_arguments(relocate)
-    relocate.set_defaults(func=bench_relocate.run)
-    from tools import bench_patches
-
-    patches = kinds.add_parser(
-        "patches",
-        help="conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)",
-        description=(bench_patches.__doc__ or "").split("\n\n")[0],
-    )
-    bench_patches.add_arguments(patches)
-    patches.set_defaults(func=bench_patches.run)
-    from tools import bench_window
-
-    window = kinds.add_parser(
-        "window",
-        help="KL vs re-prefill after recall / evict / reorder / slide on SmolLM2",
-        description=(bench_window.__doc__ or "").split("\n\n")[0],
-    )
-    bench_window.add_arguments(window)
-    window.set_defaults(func=bench_window.run)
+def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleType, help: str) -> None:
+    """One subcommand backed by a module with `add_arguments(parser)` and `run(args) -> int`;
+    the module docstring's first paragraph is the command's description."""
+    parser = subparsers.add_parser(name, help=help, description=(module.__doc__ or "").split("\n\n")[0])
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
-    from tools import demo
+    from tools import bench_patches, bench_relocate, bench_window, demo, diagnose
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo_parser = sub.add_parser("demo", help="relocation demo on the real embedded model",
-                                 description=(demo.__doc__ or "").split("\n\n")[0])
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.run)
-    _add_bench(sub)
-    from tools import diagnose
-
-    diag = sub.add_parser("diagnose", help="the deficit of chunk B after chunk A, per layer, and what patches recover",
-                          description=(diagnose.__doc__ or "").split("\n\n")[0])
-    diagnose.add_arguments(diag)
-    diag.set_defaults(func=diagnose.run)
+    _command(sub, "demo", demo, "relocation demo on the real embedded model")
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    _command(kinds, "relocate", bench_relocate, "CPU relocation throughput as a ratio to a plain copy")
+    _command(kinds, "patches", bench_patches, "conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)")
+    _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")
+    _command(sub, "diagnose", diagnose, "the deficit of chunk B after chunk A, per layer, and what patches recover")
     return parser
 
 

@@ -13,6 +13,16 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"
+# The web agent drives Debian's Chromium through Playwright (playwright cannot download browsers here).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "[setup] Debian chromium (apt) for the web agent" >&2
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ||
+      { echo "[setup] apt-get install chromium failed; install Debian's chromium package by hand" >&2; exit 1; }
+  else
+    echo "[setup] /usr/bin/chromium is missing: run 'sudo apt-get install chromium' and retry" >&2; exit 1
+  fi
+fi
 echo "[setup] upgrading pip" >&2
 $PIP install -q --upgrade pip
 echo "[setup] torch 2.14.1 + torchvision 0.29.1 (large; first install takes a few minutes)" >&2

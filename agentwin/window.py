@@ -47,6 +47,10 @@ class Text:
             raise ValueError("Text needs at least one character")
 
 
+def _summary(kv: Sequence[LayerKV]) -> torch.Tensor:
+    return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
+
+
 @dataclass(slots=True)
 class _Chunk:
     id: ChunkId
@@ -221,6 +225,15 @@ class Window:
             out.append(token)
             ids = torch.tensor([token])
         return self.km.tokenizer.decode(out)
+
+    def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
+        """`[layers, width]` float32: the chunk's canonical keys averaged over its tokens, one row
+        per layer (MLA: the latent c_KV). Chunks in or out of the window (evicted ones too), for
+        retrieval of earlier chunks by similarity to a question (`km.key_summary(ids)` gives the same
+        summary of any token ids)."""
+        if chunk_id not in self._chunks:
+            raise ValueError(f"unknown chunk id {chunk_id!r}")
+        return _summary(self._chunks[chunk_id].canonical)
 
     def stats(self) -> WindowStats:
         """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""

@@ -96,6 +96,11 @@ class KameraModel:
         """KV of the chunk alone in its chunk-local frame (start 0); owned copies."""
         return [(k.clone(), v.clone()) for k, v in extract_kv(self.forward(ids, 0).cache, self.layout)]
 
+    def key_summary(self, ids: torch.Tensor) -> torch.Tensor:
+        """`[layers, width]` float32 mean over tokens of the chunk-local keys of `ids` (MLA: c_KV),
+        comparable with `Window.key_summary` for retrieval."""
+        return torch.stack([k.float().mean(0).reshape(-1) for k, _ in self.encode(ids)])
+
     def encode_after(self, prefix: Sequence[LayerKV], prefix_len: int, ids: torch.Tensor) -> list[LayerKV]:
         """KV of `ids` read after a cache of `prefix` (placed at 0..prefix_len), at its own positions."""
         cache = build_cache(prefix, self.model.config, self.layout) if prefix_len else None

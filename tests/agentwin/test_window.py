@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agentwin.models.adapter import KameraModel
-from agentwin.window import Text, Window
+from agentwin.window import ChunkId, Text, Window
 
 TEXTS = ["the harbour master keeps the tide log", "she wrote the storm surge in it",
          "the keeper climbed the tower at dawn", "he replaced the cracked diaphragm",
@@ -215,3 +215,19 @@ def test_chunk_moved_to_the_front_uses_its_exact_canonical_kv():
     first, second = win.append(TEXTS[0]), win.append(TEXTS[1])
     win.evict(first)  # `second` now has no antecedent: its canonical KV is exactly right
     assert float((win.next_token_logprobs(QUERY) - win.reference_logprobs(QUERY)).abs().max()) <= TOL
+
+
+def test_key_summary_ranks_the_chunk_with_shared_content_first():
+    """Retrieval signal: a question's key summary is closest to the chunk it was cut from."""
+    km = KameraModel.from_pretrained("tiny-llama-gqa")
+    win = Window(km, budget_tokens=4096, patch="none")
+    texts = ["alpha beta gamma delta " * 6, "zzzz yyyy xxxx wwww " * 6, "0123456789 " * 12]
+    ids = [win.append(Text(t)) for t in texts]
+    win.evict(ids[1])
+    summaries = torch.stack([win.key_summary(c) for c in ids])
+    assert summaries.shape == (3, len(km.specs), summaries.shape[-1])
+    probe = km.key_summary(km.tokenize("zzzz yyyy xxxx wwww zzzz"))
+    score = torch.nn.functional.cosine_similarity(summaries, probe[None], dim=-1).mean(-1)
+    assert int(score.argmax()) == 1, score
+    with pytest.raises(ValueError, match="unknown chunk"):
+        win.key_summary(ChunkId(99))

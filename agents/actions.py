@@ -1,0 +1,122 @@
+"""Actions the model emits: one JSON object per decision, parsed tolerantly.
+
+Small models wrap JSON in code fences, use single quotes, add prose before or after it, or leave a
+trailing comma. `parse_action` accepts all of that: it takes the first balanced `{...}` object in
+the reply, reads it as JSON, then as a Python literal (single quotes, True/False/None), then with
+trailing commas removed. What it cannot read raises `MalformedAction` with a message the loop shows
+to the model (`retry_message`) before asking again.
+
+Every action is a dict with a string "action" key, e.g. `{"action": "goto", "page": 3}`. The
+loop's own actions are "answer" (`{"action": "answer", "text": "..."}`, ends the run) and "recall"
+(`{"action": "recall", "step": 2}`, brings back the observation of an earlier step).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any, Iterable
+
+LOOP_ACTIONS = {
+    "recall": '{"step": N} bring the observation of step N back into view',
+    "answer": '{"text": "..."} finish with this answer',
+}
+EXAMPLE = '{"action": "answer", "text": "..."}'
+
+
+class MalformedAction(ValueError):
+    """The model's reply holds no usable action; the message says what was wrong."""
+
+
+_FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*\n?(.*?)```", re.S)
+
+
+def _first_object(text: str) -> str | None:
+    """The first balanced {...} in `text`, respecting quoted strings (single or double)."""
+    start = text.find("{")
+    while start != -1:
+        depth, quote, escaped = 0, None, False
+        for index in range(start, len(text)):
+            ch = text[index]
+            if quote:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == quote:
+                    quote = None
+            elif ch in "\"'":
+                quote = ch
+            elif ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:index + 1]
+        # Unbalanced from this brace (e.g. an apostrophe opened a "string"): try the next brace.
+        start = text.find("{", start + 1)
+    return None
+
+
+def _loads(candidate: str) -> Any:
+    """JSON, then a Python literal, then both again without trailing commas."""
+    attempts = [candidate, re.sub(r",\s*([}\]])", r"\1", candidate)]
+    for text in attempts:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+        pythonic = re.sub(r"\btrue\b", "True", re.sub(r"\bfalse\b", "False", re.sub(r"\bnull\b", "None", text)))
+        try:
+            return ast.literal_eval(pythonic)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            pass
+    raise MalformedAction(f"could not read {_clip(candidate)} as JSON")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
+def parse_action(reply: str, allowed: Iterable[str] | None = None) -> dict[str, Any]:
+    """The action in a model reply; `allowed`: the action names accepted (None: any).
+
+    MalformedAction when the reply holds no JSON object, the object has no string "action", or
+    the action is not allowed."""
+    if not isinstance(reply, str):
+        raise MalformedAction(f"the reply must be text, got {type(reply).__name__}")
+    if not reply.strip():
+        raise MalformedAction("the reply was empty")
+    sources = [m.group(1) for m in _FENCE.finditer(reply)] + [reply]
+    candidate = next((obj for obj in map(_first_object, sources) if obj is not None), None)
+    if candidate is None:
+        raise MalformedAction(f"no JSON object in the reply {_clip(reply)}")
+    action = _loads(candidate)
+    if not isinstance(action, dict):
+        raise MalformedAction(f"expected a JSON object, got {type(action).__name__}")
+    name = action.get("action")
+    if not isinstance(name, str) or not name.strip():
+        raise MalformedAction(f'the object {_clip(candidate)} has no "action" name')
+    action = {str(k): v for k, v in action.items()}
+    action["action"] = name.strip().lower()
+    if allowed is not None:
+        names = sorted(set(allowed))
+        if action["action"] not in names:
+            raise MalformedAction(f"unknown action {action['action']!r}; choose one of {', '.join(names)}")
+    return action
+
+
+def retry_message(error: Exception | str) -> str:
+    """What the model is told after a reply that could not be used."""
+    return (f"Your last reply could not be used: {error}. Reply with exactly one JSON object, "
+            f"for example {EXAMPLE}.")
+
+
+def describe_actions(env_actions: dict[str, str]) -> str:
+    """The action list for the prompt: the environment's actions, then the loop's own."""
+    lines = []
+    for name, meaning in {**env_actions, **LOOP_ACTIONS}.items():
+        lines.append(f"- {name}: {meaning}")
+    return "\n".join(lines)

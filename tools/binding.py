@@ -1,0 +1,417 @@
+"""Cross-chunk binding: a generated task that only a model reading B *after* A can answer, and
+the trainer of the tiny Llama-architecture model that solves it.
+
+The task (ordinal coreference):
+    A:  "members : E5 , E12 , E3 ."                      (2-6 distinct entities, in order)
+    B:  "it owns o4 . then rain came . it owns o9 . it owns o1 ."
+        the k-th "it" of B means A's k-th entity; filler sentences sit between the claims
+    Q:  "what does E12 own ?"   answer: "o9"
+B never names an entity, so which entity owns which object is only defined by B read after A.
+With full context the model can bind each "it" while it reads B (B's keys and values then carry
+the entity); a B encoded alone cannot, so blind reuse has to lose accuracy unless the question
+redoes both hops (find E12's ordinal in A, then the matching "it" in B) itself.
+
+Training uses a next-token loss on the answers only, plus, on a share of the sequences
+(`AUX_SHARE`), an auxiliary variant in which B restates the entity after each "it"
+("it E12 owns o9 .") with loss on that entity: it teaches the cross-chunk lookup directly, which
+answer-only training did not find in short runs.
+
+The model is a transformers `LlamaForCausalLM` (RoPE, GQA) over a word-level vocabulary of the
+generator's own words (`BindingTokenizer`), so it wraps as `KameraModel(model, tokenizer)` and
+every KV tool of the project applies to it. `python -m tools.binding train --out DIR` trains it
+from a fixed seed; the shipped checkpoint lives in `agentwin/models/data/binding/`
+(`model.safetensors`, `config.json`, `binding.json` with the generator and training record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "agentwin" / "models" / "data" / "binding"
+
+NUM_ENTITIES = 24
+NUM_OBJECTS = 24
+MIN_MEMBERS, MAX_MEMBERS = 2, 6
+MAX_FILLERS = 2  # filler sentences before each claim: 0..MAX_FILLERS
+AUX_SHARE = 0.5  # share of training sequences where B restates the entity after each "it"
+TRAIN_QUESTIONS = 3  # questions per training sequence (evaluation items ask one)
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+FUNCTION_WORDS = ["members", ":", ",", ".", "it", "owns", "what", "does", "own", "?"]
+FILLERS = [
+    ("then", "rain", "came"), ("the", "bell", "rang"), ("later", "the", "day", "was", "quiet"),
+    ("a", "cart", "passed"), ("the", "wind", "turned"), ("someone", "sang", "outside"),
+]
+ENTITIES = [f"E{i}" for i in range(NUM_ENTITIES)]
+OBJECTS = [f"o{i}" for i in range(NUM_OBJECTS)]
+
+
+def _vocabulary() -> list[str]:
+    words = list(SPECIALS) + list(FUNCTION_WORDS)
+    for sentence in FILLERS:
+        words += [w for w in sentence if w not in words]
+    return words + ENTITIES + OBJECTS
+
+
+VOCAB = _vocabulary()
+assert len(VOCAB) == len(set(VOCAB)), "vocabulary words must be distinct"
+PAD, BOS, EOS = 0, 1, 2
+
+
+@dataclass
+class Encoded:
+    """What a transformers tokenizer call returns, as far as the project uses it."""
+
+    input_ids: list[int]
+
+
+class BindingTokenizer:
+    """Word-level tokenizer over the generator's vocabulary: whitespace-separated words, nothing else.
+
+    `tok(text, add_special_tokens=False).input_ids` as a transformers tokenizer; with
+    `add_special_tokens=True` a `<bos>` is prepended. Unknown words raise ValueError.
+    """
+
+    bos_token_id = BOS
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+    def __init__(self, vocab: Sequence[str] = VOCAB) -> None:
+        self.vocab = list(vocab)
+        self.index = {w: i for i, w in enumerate(self.vocab)}
+        if len(self.index) != len(self.vocab):
+            raise ValueError("vocabulary words must be distinct")
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = [BOS] if add_special_tokens else []
+        for word in text.split():
+            if word not in self.index:
+                raise ValueError(f"word {word!r} is not in the binding vocabulary")
+            ids.append(self.index[word])
+        return ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoded:
+        return Encoded(self.encode(text, add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.vocab[int(i)] for i in ids)
+
+
+# ---- the generator -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Item:
+    """One binding item: chunk texts, the questions and their one-word answers."""
+
+    a: str
+    b: str
+    questions: tuple[str, ...]
+    answers: tuple[str, ...]
+    members: tuple[str, ...]
+    owned: tuple[str, ...]
+
+
+def make_item(rng: random.Random, aux: bool = False, num_questions: int = 1) -> Item:
+    """A random item; `aux` restates the entity after each "it" in B (training only)."""
+    n = rng.randint(MIN_MEMBERS, MAX_MEMBERS)
+    members = rng.sample(ENTITIES, n)
+    owned = rng.sample(OBJECTS, n)
+    a = "members : " + " , ".join(members) + " ."
+    parts = []
+    for entity, obj in zip(members, owned):
+        for _ in range(rng.randint(0, MAX_FILLERS)):
+            parts.append(" ".join(rng.choice(FILLERS)) + " .")
+        parts.append(f"it {entity} owns {obj} ." if aux else f"it owns {obj} .")
+    asked = rng.sample(range(n), min(num_questions, n))
+    questions = tuple(f"what does {members[k]} own ?" for k in asked)
+    return Item(a, " ".join(parts), questions, tuple(owned[k] for k in asked), tuple(members), tuple(owned))
+
+
+def eval_items(count: int, seed: int = 10_000) -> list[Item]:
+    """Held-out evaluation items (one question each) from their own seed stream; training draws
+    from `random.Random(seed)` with seed < 10000 per step, so the streams never coincide."""
+    rng = random.Random(f"binding-eval-{seed}")
+    return [make_item(rng) for _ in range(count)]
+
+
+def training_sequence(rng: random.Random, tok: BindingTokenizer) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one training sequence: <bos> A B (question answer)*; labels −100 except
+    on answers and, in auxiliary sequences, on the entity after each "it"."""
+    aux = rng.random() < AUX_SHARE
+    item = make_item(rng, aux=aux, num_questions=TRAIN_QUESTIONS)
+    ids = tok.encode(item.a, add_special_tokens=True)
+    labels = [-100] * len(ids)
+    b_ids = tok.encode(item.b)
+    it_id, entity_ids = tok.index["it"], {tok.index[e] for e in ENTITIES}
+    for j, t in enumerate(b_ids):
+        supervised = aux and t in entity_ids and j > 0 and b_ids[j - 1] == it_id
+        labels.append(t if supervised else -100)
+    ids += b_ids
+    for q, ans in zip(item.questions, item.answers):
+        q_ids = tok.encode(q)
+        ids += q_ids
+        labels += [-100] * len(q_ids)
+        ids.append(tok.index[ans])
+        labels.append(tok.index[ans])
+    return ids, labels
+
+
+def batch(rng: random.Random, tok: BindingTokenizer, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask) `[size, L]`, right-padded. Labels are already aligned
+    with the token they are (loss at position t predicts labels[t] from tokens < t via the usual
+    shift in `loss_fn`)."""
+    seqs = [training_sequence(rng, tok) for _ in range(size)]
+    length = max(len(s[0]) for s in seqs)
+    ids = torch.full((size, length), PAD, dtype=torch.long)
+    labels = torch.full((size, length), -100, dtype=torch.long)
+    mask = torch.zeros((size, length), dtype=torch.long)
+    for i, (s, l) in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, : len(l)] = torch.tensor(l)
+        mask[i, : len(s)] = 1
+    return ids, labels, mask
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+MODEL_CONFIG = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rope_theta=10000.0,
+                    tie_word_embeddings=True)
+
+
+def make_config(**over: Any) -> Any:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=len(VOCAB), bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+                      **{**MODEL_CONFIG, **over})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def new_model(seed: int, **over: Any) -> Any:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(make_config(**over))
+
+
+def loss_fn(model: Any, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy over supervised tokens, accuracy over them)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    sel = target != -100
+    acc = (logits.argmax(-1)[sel] == target[sel]).float().mean()
+    return loss, acc
+
+
+def load(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, BindingTokenizer]:
+    """(model in eval mode with eager attention, tokenizer) of a binding checkpoint directory
+    (default: the shipped one)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(path) if path is not None else CHECKPOINT_DIR
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"no binding checkpoint at {folder} (expected model.safetensors); "
+                                "train one with `python -m tools.binding train --out DIR`")
+    cfg = LlamaConfig.from_json_file(str(folder / "config.json"))
+    cfg._attn_implementation = "eager"
+    desc = json.loads((folder / "binding.json").read_text())
+    if desc["vocab"] != VOCAB:
+        raise ValueError(f"{folder}: the checkpoint's vocabulary differs from this generator's")
+    model = LlamaForCausalLM(cfg)
+    state = load_file(str(weights))
+    if cfg.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state)
+    return model.to(dtype).eval(), BindingTokenizer()
+
+
+# ---- accuracy --------------------------------------------------------------------------------
+
+def item_ids(tok: BindingTokenizer, item: Item) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(A ids with <bos>, B ids, question ids, answer id) of a one-question item."""
+    return (torch.tensor(tok.encode(item.a, True)), torch.tensor(tok.encode(item.b)),
+            torch.tensor(tok.encode(item.questions[0])), tok.index[item.answers[0]])
+
+
+def accuracy_full(model: Any, tok: BindingTokenizer, items: Sequence[Item], batch_size: int = 128) -> float:
+    """Share of items whose argmax next token after [<bos> A B question] is the answer (batched,
+    right-padded; each row read at its own last token)."""
+    correct = 0
+    for lo in range(0, len(items), batch_size):
+        rows = []
+        for item in items[lo: lo + batch_size]:
+            a, b, q, ans = item_ids(tok, item)
+            rows.append((torch.cat([a, b, q]), ans))
+        length = max(len(r) for r, _ in rows)
+        ids = torch.full((len(rows), length), PAD, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (r, _) in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        last = mask.sum(1) - 1
+        pred = logits[torch.arange(len(rows)), last].argmax(-1)
+        correct += int(sum(int(p) == ans for p, (_, ans) in zip(pred, rows)))
+    return correct / len(items)
+
+
+def accuracy_blind(model: Any, tok: BindingTokenizer, items: Sequence[Item]) -> float:
+    """Share answered right when B's KV is B encoded alone (start 0) moved after A by exact RoPE
+    re-rotation, no patch: the blind-reuse floor."""
+    from agentwin.models.kv import build_cache, concat_kv, extract_kv, relocate_kv
+    from kamera_core import kv_layout, rope_specs
+
+    specs, layout = list(rope_specs(model.config)), kv_layout(model.config)
+    correct = 0
+    for item in items:
+        a, b, q, ans = item_ids(tok, item)
+        with torch.no_grad():
+            a_kv = extract_kv(model(input_ids=a[None], use_cache=True).cache, layout)
+            b_kv = extract_kv(model(input_ids=b[None], use_cache=True).cache, layout)
+            placed = concat_kv(a_kv, relocate_kv(b_kv, specs, layout, len(a)))
+            start = len(a) + len(b)
+            out = model(input_ids=q[None], position_ids=torch.arange(start, start + len(q))[None],
+                        cache=build_cache(placed, model.config, layout), use_cache=True)
+        correct += int(int(out.logits[0, -1].argmax()) == ans)
+    return correct / len(items)
+
+
+# ---- training --------------------------------------------------------------------------------
+
+TRAIN_DEFAULTS = dict(seed=0, steps=6000, batch_size=64, lr=2e-3, warmup=200, weight_decay=0.01,
+                      max_minutes=55.0, eval_every=250)
+
+
+def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: int = 64, lr: float = 2e-3,
+          warmup: int = 200, weight_decay: float = 0.01, max_minutes: float = 55.0, eval_every: int = 250,
+          log=print, threads: int | None = 1, model_over: dict | None = None) -> dict:
+    """Train from `seed` for `steps` steps (or until `max_minutes` of wall time) and write the
+    checkpoint (model.safetensors, config.json, binding.json) to `out`; returns the record.
+
+    Each step's batch is drawn from `random.Random(seed * 1_000_003 + step)`, so a run is
+    reproducible on the same software and thread count. AdamW, linear warm-up then cosine decay
+    to 10% over `steps`; gradient norm clipped at 1.
+    """
+    from safetensors.torch import save_file
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    tok = BindingTokenizer()
+    model = new_model(seed, **(model_over or {}))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    probe = eval_items(200, seed=20_000)
+    history, t0, step = [], time.perf_counter(), 0
+    run_loss, run_acc, run_n = 0.0, 0.0, 0
+    for step in range(steps):
+        if (time.perf_counter() - t0) / 60 > max_minutes:
+            log(f"stopping at step {step}: {max_minutes} minutes of training reached")
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        ids, labels, mask = batch(random.Random(seed * 1_000_003 + step), tok, batch_size)
+        loss, acc = loss_fn(model, ids, labels, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run_loss, run_acc, run_n = run_loss + float(loss), run_acc + float(acc), run_n + 1
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            model.eval()
+            probe_acc = accuracy_full(model, tok, probe)
+            model.train()
+            row = {"step": step + 1, "minutes": (time.perf_counter() - t0) / 60, "loss": run_loss / run_n,
+                   "train_acc": run_acc / run_n, "probe_acc": probe_acc, "lr": lr_at(step)}
+            history.append(row)
+            log(f"step {row['step']:>5}  {row['minutes']:6.1f} min  loss {row['loss']:.4f}  "
+                f"train acc {row['train_acc']:.3f}  probe acc (full context, 200 items) {probe_acc:.3f}")
+            run_loss, run_acc, run_n = 0.0, 0.0, 0
+            _save(model, out, tok, seed, batch_size, lr, warmup, weight_decay, steps, history,
+                  time.perf_counter() - t0, threads, save_file)
+    model.eval()
+    minutes = (time.perf_counter() - t0) / 60
+    record = _save(model, out, tok, seed, batch_size, lr, warmup, weight_decay, steps, history,
+                   time.perf_counter() - t0, threads, save_file)
+    log(f"trained {history[-1]['step'] if history else 0} steps in {minutes:.1f} min; checkpoint in {out}")
+    return record
+
+
+def _save(model, out, tok, seed, batch_size, lr, warmup, weight_decay, steps, history, seconds, threads, save_file) -> dict:
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg.pop("_attn_implementation_autoset", None)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    record = {
+        "task": "ordinal coreference across two chunks (see tools/binding.py)",
+        "generator": {"num_entities": NUM_ENTITIES, "num_objects": NUM_OBJECTS,
+                      "members": [MIN_MEMBERS, MAX_MEMBERS], "max_fillers_before_claim": MAX_FILLERS,
+                      "aux_share": AUX_SHARE, "train_questions_per_sequence": TRAIN_QUESTIONS,
+                      "fillers": [" ".join(f) for f in FILLERS]},
+        "training": {"seed": seed, "batch_size": batch_size, "lr": lr, "warmup": warmup,
+                     "weight_decay": weight_decay, "planned_steps": steps,
+                     "steps_done": history[-1]["step"] if history else 0, "seconds": seconds,
+                     "torch_threads": threads, "torch": torch.__version__, "history": history},
+        "model": {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab": tok.vocab,
+    }
+    (folder / "binding.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.binding", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train", help="train the binding model from a fixed seed")
+    tr.add_argument("--out", default=str(CHECKPOINT_DIR))
+    for key, value in TRAIN_DEFAULTS.items():
+        tr.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    tr.add_argument("--threads", type=int, default=1)
+    ev = sub.add_parser("eval", help="full-context and blind-reuse accuracy of a checkpoint")
+    ev.add_argument("--path", default=str(CHECKPOINT_DIR))
+    ev.add_argument("--items", type=int, default=1000)
+    args = parser.parse_args(argv)
+    if args.cmd == "train":
+        train(args.out, args.seed, args.steps, args.batch_size, args.lr, args.warmup, args.weight_decay,
+              args.max_minutes, args.eval_every, log=lambda s: print(s, flush=True), threads=args.threads)
+        return 0
+    model, tok = load(args.path)
+    items = eval_items(args.items)
+    print(f"full context: {accuracy_full(model, tok, items):.4f}  blind reuse: {accuracy_blind(model, tok, items):.4f} "
+          f"({args.items} held-out items)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

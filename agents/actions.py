@@ -2,8 +2,9 @@
 
 Small models wrap JSON in code fences, use single quotes, add prose before or after it, or leave a
 trailing comma. `parse_action` accepts all of that: it takes the first balanced `{...}` object in
-the reply, reads it as JSON, then as a Python literal (single quotes, True/False/None), then with
-trailing commas removed. What it cannot read raises `MalformedAction` with a message the loop shows
+the reply (fenced blocks first) that reads as an object with an "action" name, reading each as
+JSON, then as a Python literal (single quotes, True/False/None), then with trailing commas
+removed; a reply cut off inside its object is closed. What it cannot read raises `MalformedAction` with a message the loop shows
 to the model (`retry_message`) before asking again.
 
 Every action is a dict with a string "action" key, e.g. `{"action": "goto", "page": 3}`. The
@@ -32,11 +33,11 @@ class MalformedAction(ValueError):
 _FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*\n?(.*?)```", re.S)
 
 
-def _first_object(text: str) -> str | None:
-    """The first balanced {...} in `text`, respecting quoted strings (single or double)."""
+def _objects(text: str):
+    """Balanced {...} spans of `text` in order, respecting quoted strings (single or double)."""
     start = text.find("{")
     while start != -1:
-        depth, quote, escaped = 0, None, False
+        depth, quote, escaped, end = 0, None, False, None
         for index in range(start, len(text)):
             ch = text[index]
             if quote:
@@ -53,10 +54,13 @@ def _first_object(text: str) -> str | None:
             elif ch == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[start:index + 1]
-        # Unbalanced from this brace (e.g. an apostrophe opened a "string"): try the next brace.
-        start = text.find("{", start + 1)
-    return None
+                    end = index + 1
+                    break
+        if end is not None:
+            yield text[start:end]
+            start = text.find("{", end)
+        else:  # unbalanced from this brace (an apostrophe opened a "string"?): try the next one
+            start = text.find("{", start + 1)
 
 
 def _loads(candidate: str) -> Any:
@@ -90,15 +94,24 @@ def parse_action(reply: str, allowed: Iterable[str] | None = None) -> dict[str, 
     if not reply.strip():
         raise MalformedAction("the reply was empty")
     sources = [m.group(1) for m in _FENCE.finditer(reply)] + [reply]
-    candidate = next((obj for obj in map(_first_object, sources) if obj is not None), None)
-    if candidate is None:
-        raise MalformedAction(f"no JSON object in the reply {_clip(reply)}")
-    action = _loads(candidate)
-    if not isinstance(action, dict):
-        raise MalformedAction(f"expected a JSON object, got {type(action).__name__}")
-    name = action.get("action")
-    if not isinstance(name, str) or not name.strip():
-        raise MalformedAction(f'the object {_clip(candidate)} has no "action" name')
+    candidates = [obj for source in sources for obj in _objects(source)]
+    if not candidates and "{" in reply:  # cut off mid-object (token limit): try closing it
+        tail = reply[reply.index("{"):].rstrip().rstrip(",")
+        candidates = [tail + "}", tail + '"}', tail + "'}"]
+    first_error: MalformedAction | None = None
+    for candidate in candidates:
+        try:
+            action = _loads(candidate)
+            if not isinstance(action, dict):
+                raise MalformedAction(f"expected a JSON object, got {type(action).__name__}")
+            name = action.get("action")
+            if not isinstance(name, str) or not name.strip():
+                raise MalformedAction(f'the object {_clip(candidate)} has no "action" name')
+            break
+        except MalformedAction as err:
+            first_error = first_error or err
+    else:
+        raise first_error or MalformedAction(f"no JSON object in the reply {_clip(reply)}")
     action = {str(k): v for k, v in action.items()}
     action["action"] = name.strip().lower()
     if allowed is not None:

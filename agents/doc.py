@@ -135,6 +135,8 @@ class PdfEnv:
         try:
             width, height = page.get_size()
             scale = min(self.scale, math.sqrt(self.max_pixels / max(width * height, 1.0)))
+            while math.ceil(width * scale) * math.ceil(height * scale) > self.max_pixels:
+                scale *= 0.99  # pdfium rounds the bitmap size up
             return page.render(scale=scale).to_pil().convert("RGB")
         finally:
             page.close()

@@ -1,0 +1,215 @@
+"""The shared step loop end to end: a scripted model, the real PdfEnv on PDFs written by the test,
+and a real window over a tiny Llama (exact patches) or the real SmolLM2."""
+
+import json
+
+import pytest
+import torch
+
+from agents.base import EnvError, Observation
+from agents.doc import PdfEnv, write_text_pdf
+from agents.loop import AgentLoop, kl_to_reference, observation_chunks
+from agents.model import ScriptedDecider, ScriptExhausted, WindowDecider
+from agentwin import KameraModel, Text, Window
+
+PAGES = [
+    "Harbour. The harbour master is Anja Roth. She keeps the tide log.",
+    "Lighthouse. The keeper is Tobias Mertens; he repairs the fog horn.",
+    "Ferry. Captain Lena Okafor sails the Grey Heron from the north pier.",
+    "School. Pavel Ilic runs the school and plays the organ on Sundays.",
+]
+QUERY = "\nQuestion: who repairs the fog horn? Answer:"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return KameraModel.from_pretrained("tiny-llama-gqa")
+
+
+@pytest.fixture
+def pdf(tmp_path):
+    return write_text_pdf(tmp_path / "island.pdf", PAGES)
+
+
+def _page_tokens(km, env, page):
+    (chunk,) = observation_chunks(env.act({"action": "goto", "page": page}), km)
+    return int(km.tokenize(chunk.text).numel())
+
+
+def _count_encodes(km, monkeypatch):
+    calls = []
+    original = km.encode
+    monkeypatch.setattr(km, "encode", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
+def test_revisited_page_is_recalled_without_encoding_and_exact(tiny, pdf, monkeypatch):
+    with PdfEnv(pdf) as env:
+        page1_tokens = _page_tokens(tiny, env, 1)
+        budget = page1_tokens + _page_tokens(tiny, env, 2) + 5  # two pages fit, not three
+        window = Window(tiny, budget_tokens=budget, patch="origin", rank=None)
+        encodes = _count_encodes(tiny, monkeypatch)
+        seen = []
+        script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
+                                  {"action": "answer", "text": "Tobias Mertens"}])
+        loop = AgentLoop(env, window, script, "Who repairs the fog horn?", max_steps=6,
+                         fidelity_query=QUERY, on_step=lambda r: seen.append((r.step, len(encodes))))
+        result = loop.run()
+    records, summary = result.records, result.summary
+    assert [r.event for r in records] == ["append", "append", "append", "recall", "answer"]
+    assert records[2].evicted == ["step 0 (page 1/4)"]
+    revisit = records[3]
+    assert revisit.observation == "page 1/4" and revisit.recalled == ["step 0 (page 1/4)"]
+    assert revisit.chunks == records[0].chunks  # the same chunk came back, no new one
+    encodes_by_step = dict(seen)
+    assert encodes_by_step[3] == encodes_by_step[2] == 3  # three pages encoded once each, none at the revisit
+    assert summary.content_hits == 1 and summary.appended == 3 and summary.recalls == 1
+    assert summary.evictions == 2 and summary.recalled_tokens == page1_tokens
+    assert summary.stopped == "answer" and summary.answer == "Tobias Mertens" and summary.steps == 4
+    # Exact patches: the window after the recall reads like a re-prefill of its token sequence.
+    assert revisit.kl is not None and abs(revisit.kl) < 1e-4 and summary.kl_at_recalls == [revisit.kl]
+    reused, reference = window.next_token_logprobs(QUERY), window.reference_logprobs(QUERY)
+    assert float((reused - reference).abs().max()) < 1e-4
+    assert window.input_ids().numel() == window.tokens() <= budget
+    assert summary.prefill_s_per_token is not None and summary.time_saved_s == pytest.approx(
+        summary.prefill_s_per_token * summary.prefill_tokens_avoided)
+
+
+def test_malformed_reply_gets_a_retry_message_then_the_loop_recovers(tiny, pdf):
+    script = ScriptedDecider(["I would like to see the next page please.", "```json\n{'action': 'next',}\n```",
+                              '{"action": "answer", "text": "Anja Roth"} because page 1 says so'])
+    with PdfEnv(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=2000, rank=None), script, "Who keeps the tide log?",
+                           max_steps=5).run()
+    first, second, third = result.records[1:]
+    assert first.action is None and "no JSON object in the reply" in first.error
+    assert "Your last reply could not be used: no JSON object" in script.prompts[1]
+    assert "could not be used" not in script.prompts[2]  # shown once, then cleared
+    assert second.action == {"action": "next"} and second.observation == "page 2/4"
+    assert third.event == "answer" and result.summary.answer == "Anja Roth"
+    assert result.summary.malformed_replies == 1 and result.summary.stopped == "answer"
+
+
+def test_step_limit_ends_a_run_without_an_answer(tiny, pdf):
+    script = ScriptedDecider(lambda window, prompt: {"action": "next"})
+    with PdfEnv(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=2000), script, "Read on.", max_steps=6).run()
+    summary = result.summary
+    assert summary.stopped == "step limit" and summary.answer is None and summary.steps == 6
+    assert summary.refused_actions == 3  # pages 2..4, then three refusals at the last page
+    assert "That action failed: already at the last page (4)" in script.prompts[-1]
+    assert [r.observation for r in result.records[1:4]] == ["page 2/4", "page 3/4", "page 4/4"]
+
+
+def test_recall_by_step_and_its_errors(tiny, pdf):
+    script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "recall", "step": 0},
+                              {"action": "recall", "step": "2"}, {"action": "recall", "step": 9},
+                              {"action": "recall", "step": "two"}, {"action": "answer", "text": "done"}])
+    with PdfEnv(pdf) as env:
+        budget = _page_tokens(tiny, env, 1) + _page_tokens(tiny, env, 2) + 5
+        window = Window(tiny, budget_tokens=budget, patch="origin", rank=None)
+        result = AgentLoop(env, window, script, "Find the captain.", max_steps=8, fidelity_query=QUERY).run()
+    r = result.records
+    assert "Out of view, recall by step: step 0 (page 1/4)" in script.prompts[2]
+    assert r[3].event == "recall" and r[3].recalled == ["step 0 (page 1/4)"] and r[3].chunks == r[0].chunks
+    assert "Step 0 (page 1/4) is back in view." in script.prompts[3]
+    assert r[4].event == "in-view" and "Step 2 (page 3/4) is already in view." in script.prompts[4]
+    assert "step 9 has no observation; steps with observations: 0, 1, 2" in r[5].error
+    assert 'recall needs an integer "step"' in r[6].error
+    assert result.summary.recalls == 1 and result.summary.content_hits == 0  # asked for, not seen again
+    assert abs(result.summary.kl_at_recalls[0]) < 1e-4
+
+
+def test_every_step_is_logged_as_jsonl(tiny, pdf, tmp_path):
+    log = tmp_path / "run" / "steps.jsonl"
+    script = ScriptedDecider([{"action": "search", "text": "organ"}, {"action": "goto", "page": 4},
+                              {"action": "answer", "text": "Pavel Ilic"}])
+    with PdfEnv(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=2000), script, "Who plays the organ?", log_path=log).run()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines[:-1]] == [0, 1, 2, 3]
+    assert lines[1]["observation"] == "search 'organ'" and lines[2]["action"] == {"action": "goto", "page": 4}
+    assert lines[-1]["summary"]["answer"] == "Pavel Ilic" and lines[-1]["summary"]["steps"] == 3
+    assert json.loads(json.dumps(result.to_json()))["summary"]["appended"] == 3
+
+
+def test_environment_failure_stops_the_run_with_its_message(tiny, pdf):
+    class Broken(PdfEnv):
+        def act(self, action):
+            raise EnvError("the document went away; open it again")
+
+    with Broken(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=2000), ScriptedDecider([{"action": "next"}]), "x").run()
+    assert result.summary.stopped == "error: the document went away; open it again"
+    assert result.summary.steps == 1 and result.records[1].error == "the document went away; open it again"
+
+
+def test_an_observation_larger_than_the_budget_is_a_clear_error(tiny, pdf):
+    with PdfEnv(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=20), ScriptedDecider([]), "x").run()
+    assert result.summary.stopped.startswith("error: observation 'page 1/4' does not fit the window")
+    assert "raise --budget-tokens" in result.summary.stopped and result.summary.steps == 0
+
+
+def test_an_exhausted_script_says_so(tiny, pdf):
+    with PdfEnv(pdf) as env, pytest.raises(ScriptExhausted, match="has 1 replies and was asked for reply 2"):
+        AgentLoop(env, Window(tiny, budget_tokens=2000), ScriptedDecider([{"action": "next"}]), "x").run()
+
+
+def test_loop_checks_its_arguments(tiny, pdf):
+    with PdfEnv(pdf) as env:
+        window = Window(tiny, budget_tokens=100)
+        with pytest.raises(TypeError, match="agents.base.Env"):
+            AgentLoop(object(), window, ScriptedDecider([]), "x")
+        with pytest.raises(ValueError, match="task"):
+            AgentLoop(env, window, ScriptedDecider([]), "  ")
+        with pytest.raises(ValueError, match="max_steps"):
+            AgentLoop(env, window, ScriptedDecider([]), "x", max_steps=0)
+
+
+def test_observation_chunks_by_model_kind(tiny):
+    from PIL import Image as PILImage
+
+    import agentwin
+
+    frames = tuple(PILImage.new("RGB", (28, 28), (i * 40, 0, 0)) for i in range(2))
+    obs = Observation("video 00:00-00:02", text="two frames", images=frames, timestamps=(0.0, 1.0))
+    assert [c.text for c in observation_chunks(obs, tiny)] == ["\n[video 00:00-00:02]\ntwo frames\n"]
+
+    class Vlm:
+        is_vlm = True
+
+    if hasattr(agentwin, "Image") and hasattr(agentwin, "Frames"):
+        video = observation_chunks(obs, Vlm())
+        assert [type(c).__name__ for c in video] == ["Frames", "Text"]
+        shot = observation_chunks(Observation("page", text="t", images=frames[:1]), Vlm())
+        assert [type(c).__name__ for c in shot] == ["Image", "Text"]
+    else:
+        with pytest.raises(EnvError, match="no image or frame chunks"):
+            observation_chunks(obs, Vlm())
+
+
+@pytest.mark.slow
+def test_smollm2_revisit_is_exact_and_the_model_decides(smollm2, tmp_path):
+    """The real SmolLM2: a scripted revisit is a recall within 1e-4 of a re-prefill (exact
+    patches), then the model itself decides through the window."""
+    model, tokenizer = smollm2
+    km = KameraModel(model, tokenizer, name="smollm2")
+    pdf = write_text_pdf(tmp_path / "island.pdf", PAGES[:3])
+    with PdfEnv(pdf) as env:
+        budget = _page_tokens(km, env, 1) + _page_tokens(km, env, 2) + 4
+        window = Window(km, budget_tokens=budget, patch="origin", rank=None)
+        script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
+                                  {"action": "answer", "text": "-"}])
+        result = AgentLoop(env, window, script, "Who keeps the tide log?", fidelity_query=QUERY,
+                           measure_prefill=False).run()
+        assert [r.event for r in result.records] == ["append", "append", "append", "recall", "answer"]
+        assert abs(result.records[3].kl) < 1e-4 and result.summary.content_hits == 1
+        decider = WindowDecider(max_new_tokens=24)
+        model_run = AgentLoop(env, window, decider, "Who keeps the tide log?", max_steps=2,
+                              measure_prefill=False).run()
+    replies = [r.reply for r in model_run.records[1:]]
+    assert replies and all(isinstance(r, str) for r in replies)
+    assert model_run.summary.stopped in ("answer", "step limit")
+    for r in model_run.records[1:]:  # each reply was either an action or got a reason
+        assert (r.action is not None) != (r.error is not None) or r.event == "answer"

@@ -9,7 +9,8 @@ to the model (`retry_message`) before asking again.
 
 Every action is a dict with a string "action" key, e.g. `{"action": "goto", "page": 3}`. The
 loop's own actions are "answer" (`{"action": "answer", "text": "..."}`, ends the run) and "recall"
-(`{"action": "recall", "step": 2}`, brings back the observation of an earlier step).
+(`{"action": "recall", "step": 2}`, brings back the observation of an earlier step; `"query"`
+instead of `"step"` finds it by similarity, `"time"` by the seconds it covers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import re
 from typing import Any, Iterable
 
 LOOP_ACTIONS = {
-    "recall": '{"step": N} bring the observation of step N back into view',
+    "recall": '{"step": N}, {"query": "..."} or {"time": SECONDS} bring an earlier observation back into view '
+              '(by step, by similarity to the query, or the one covering that second)',
     "answer": '{"text": "..."} finish with this answer',
 }
 EXAMPLE = '{"action": "answer", "text": "..."}'

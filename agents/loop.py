@@ -166,6 +166,7 @@ class AgentLoop:
         self._by_key: dict[str, list[int]] = {}  # content key -> chunk ids
         self._step_chunks: dict[int, list[int]] = {}  # step -> chunk ids of its observation
         self._step_label: dict[int, str] = {}
+        self._step_meta: dict[int, dict[str, Any]] = {}
         self._chunk_step: dict[int, int] = {}  # chunk id -> step that first showed it
         self._current: tuple[int, str] | None = None
         self._counts = {"content_hits": 0, "appended": 0, "recalled_tokens": 0, "malformed": 0, "refused": 0}
@@ -260,6 +261,7 @@ class AgentLoop:
         record.evicted = self._labels(c for c in before if c not in self.window.chunks())
         self._step_chunks[record.step] = list(ids)
         self._step_label[record.step] = obs.label
+        self._step_meta[record.step] = obs.meta
         self._current = (record.step, obs.label)
         if hasattr(self.decider, "observe"):
             self.decider.observe(obs)
@@ -288,25 +290,72 @@ class AgentLoop:
             self._kls.append(record.kl)
 
     def _recall_step(self, action: dict[str, Any], record: StepRecord) -> str:
-        raw = action.get("step")
-        try:
-            step = int(raw)
-        except (TypeError, ValueError):
-            raise MalformedAction(f'recall needs an integer "step", got {raw!r}') from None
-        if step not in self._step_chunks:
-            known = ", ".join(str(s) for s in sorted(self._step_chunks)) or "none"
-            raise ActionError(f"step {step} has no observation; steps with observations: {known}")
+        """{"step": N}, {"query": "..."} (closest key summary) or {"time": T} (meta start..end)."""
+        how = ""
+        if action.get("step") is not None:
+            raw = action.get("step")
+            try:
+                step = int(raw)
+            except (TypeError, ValueError):
+                raise MalformedAction(f'recall needs an integer "step", got {raw!r}') from None
+            if step not in self._step_chunks:
+                known = ", ".join(str(s) for s in sorted(self._step_chunks)) or "none"
+                raise ActionError(f"step {step} has no observation; steps with observations: {known}")
+        elif isinstance(action.get("query"), str) and action["query"].strip():
+            step, score = self._retrieve(action["query"])
+            how = f" (closest to {action['query'].strip()!r}, similarity {score:.2f})"
+        elif action.get("time") is not None:
+            step = self._at_time(action["time"])
+            how = f" (covers {float(action['time']):g} s)"
+        else:
+            raise MalformedAction('recall needs "step", "query" or "time", e.g. {"action": "recall", "step": 0}')
         ids = self._step_chunks[step]
         missing = [c for c in ids if c not in self.window.chunks()]
-        record.observation = self._step_label[step]
+        label = self._step_label[step]
+        record.observation = label
         record.chunks = list(ids)
         if not missing:
             record.event = "in-view"
-            return f"Step {step} ({self._step_label[step]}) is already in view."
+            return f"Step {step} ({label}){how} is already in view."
         before = self.window.chunks()
         self._bring_back(missing, record)
         record.evicted = self._labels(c for c in before if c not in self.window.chunks())
-        return f"Step {step} ({self._step_label[step]}) is back in view."
+        return f"Step {step} ({label}){how} is back in view."
+
+    def _first_steps(self) -> list[int]:
+        return [s for s in sorted(self._step_chunks) if self._step_chunks[s] and self._first_step_of(s) == s]
+
+    def _retrieve(self, query: str) -> tuple[int, float]:
+        """The observation whose chunks' key summaries (mean keys per layer) are closest to the
+        query's: cosine per layer, averaged over layers, best chunk of each observation."""
+        import torch
+
+        steps = self._first_steps()
+        if not steps:
+            raise ActionError("there is no earlier observation to recall")
+        ids = self.window.km.tokenize(query)
+        if ids.numel() == 0:
+            raise ActionError("the recall query has no tokens")
+        q = torch.nn.functional.normalize(self.window.km.key_summary(ids).float(), dim=-1)
+        best = None
+        for step in steps:
+            scores = [float((torch.nn.functional.normalize(self.window.key_summary(c).float(), dim=-1) * q)
+                            .sum(-1).mean()) for c in self._step_chunks[step]]
+            if best is None or max(scores) > best[1]:
+                best = (step, max(scores))
+        return best
+
+    def _at_time(self, raw: Any) -> int:
+        try:
+            t = float(raw)
+        except (TypeError, ValueError):
+            raise MalformedAction(f'recall "time" must be a number of seconds, got {raw!r}') from None
+        for step in self._first_steps():
+            meta = self._step_meta.get(step, {})
+            start, end = meta.get("start"), meta.get("end")
+            if start is not None and end is not None and float(start) <= t <= float(end):
+                return step
+        raise ActionError(f"no earlier observation covers {t:g} s")
 
     # ---- prompt, records, summary -----------------------------------------------------------
 

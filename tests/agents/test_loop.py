@@ -213,3 +213,29 @@ def test_smollm2_revisit_is_exact_and_the_model_decides(smollm2, tmp_path):
     assert model_run.summary.stopped in ("answer", "step limit")
     for r in model_run.records[1:]:  # each reply was either an action or got a reason
         assert (r.action is not None) != (r.error is not None) or r.event == "answer"
+
+
+def test_recall_by_query_and_by_time(tiny, pdf):
+    """By query: the observation whose key summary is closest (its own text scores 1.0); by time:
+    the observation whose meta covers that second."""
+
+    class Timed(PdfEnv):  # pages as 10-second spans, like video segments
+        def _observe(self, page):
+            obs = super()._observe(page)
+            return Observation(obs.label, obs.text, meta={"start": 10.0 * (page - 1), "end": 10.0 * page})
+
+    with Timed(pdf) as env:
+        page1 = observation_chunks(env._observe(1), tiny)[0].text
+        budget = _page_tokens(tiny, env, 1) + _page_tokens(tiny, env, 2) + 5
+        script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "recall", "query": page1},
+                                  {"action": "next"}, {"action": "recall", "time": 15},
+                                  {"action": "recall", "time": 99}, {"action": "recall"},
+                                  {"action": "answer", "text": "x"}])
+        result = AgentLoop(env, Window(tiny, budget_tokens=budget, rank=None), script, "x", max_steps=9).run()
+    r = result.records
+    assert r[3].event == "recall" and r[3].recalled == ["step 0 (page 1/4)"]
+    assert "Step 0 (page 1/4) (closest to" in script.prompts[3] and "similarity 1.00) is back in view" in script.prompts[3]
+    assert r[5].event == "recall" and r[5].recalled == ["step 1 (page 2/4)"]
+    assert "no earlier observation covers 99 s" in r[6].error
+    assert 'recall needs "step", "query" or "time"' in r[7].error
+    assert result.summary.recalls == 2

@@ -21,13 +21,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence, Union
 
 import torch
 
-from agentwin.models.adapter import KameraModel
+from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, concat_kv, relocate_kv
-from agentwin.store import ChunkKey, ChunkStore, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv, tensors_to_patch
+from agentwin.models.vision import VisionChunk
+from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
+                            tensors_to_patch)
 from kamera_core import patch as kp
 
 ChunkId = NewType("ChunkId", int)
@@ -51,10 +53,47 @@ def _summary(kv: Sequence[LayerKV]) -> torch.Tensor:
     return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
 
 
+@dataclass(frozen=True)
+class Image:
+    """An image chunk (vision-language models): a PIL image, a path, encoded bytes or an
+    `[H, W, 3]` uint8 array, resized the qwen-vl-utils way to `min_tokens..max_tokens` tokens."""
+
+    source: Any
+    min_tokens: int = 4
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_tokens(self.min_tokens, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class Frames:
+    """A run of video frames as one chunk (vision-language models), sampled by the caller (see
+    `agents.video`); `timestamps` in seconds (default i / fps); token budgets are per frame."""
+
+    frames: Sequence[Any]
+    timestamps: Sequence[float] | None = None
+    fps: float = 2.0
+    min_tokens: int = 128
+    max_tokens: int = 768
+
+    def __post_init__(self) -> None:
+        _check_tokens(self.min_tokens, self.max_tokens)
+
+
+def _check_tokens(lo: object, hi: object) -> None:
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValueError(f"token budgets need 1 <= min_tokens <= max_tokens (ints), got {lo!r}, {hi!r}")
+
+
+Content = Union[Text, Image, Frames, str]
+
+
 @dataclass(slots=True)
 class _Chunk:
     id: ChunkId
     key: ChunkKey
+    inputs: ChunkInput  # text ids (T,) or a VisionChunk
     ids: torch.Tensor  # (T,)
     canonical: list[LayerKV]  # chunk-local frame
     origin: tuple[ChunkKey, ...]  # antecedent keys when appended
@@ -77,6 +116,8 @@ class WindowStats:
     prefill_tokens_avoided: int = 0
     evictions: int = 0
     recalls: int = 0
+    encoder_calls: int = 0  # vision-tower runs
+    encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
     patch_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     store: object = None  # StoreStats at the last stats() call
@@ -110,26 +151,25 @@ class Window:
         self._pinned: set[ChunkId] = set()
         self._next_id = 0
         self._stats = WindowStats()
+        self.encoder = EncoderCache(self.store)
 
     # ---- operations ---------------------------------------------------------------------------
 
-    def append(self, content: Text | str, pin: bool = False) -> ChunkId:
-        """Add a chunk at the end; evicts the oldest unpinned chunks past `budget_tokens`."""
+    def append(self, content: Content, pin: bool = False) -> ChunkId:
+        """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
+        evicts the oldest unpinned chunks past `budget_tokens`."""
         t0 = time.perf_counter()
         content = Text(content) if isinstance(content, str) else content
-        if not isinstance(content, Text):
-            raise TypeError(f"append takes Text or str, got {type(content).__name__}")
-        ids = self.km.tokenize(content.text)
-        if ids.numel() == 0:
-            raise ValueError("the text tokenizes to no tokens")
+        inputs, key = self._prepare(content)  # raises before anything changes
+        ids = self.km.ids(inputs)
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
+        canonical = self._canonical(key, inputs)
         for victim in victims:
             self.evict(victim)
-        key = ChunkKey.of(self.km.fingerprint, "text", ids.tolist(), tenant=self.store.tenant)
         antecedent = self._keys(self._order)
-        chunk = _Chunk(ChunkId(self._next_id), key, ids, self._canonical(key, ids), antecedent, len(self._order))
+        chunk = _Chunk(ChunkId(self._next_id), key, inputs, ids, canonical, antecedent, len(self._order))
         if self.policy != "none" and self._stored_patch(chunk, antecedent) is None:
             self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, self._order))
         self._next_id += 1
@@ -191,6 +231,15 @@ class Window:
             return torch.zeros(0, dtype=torch.long)
         return torch.cat(parts)
 
+    def reference_inputs(self, query: str | None = None) -> dict[str, torch.Tensor]:
+        """Keyword arguments of a plain transformers re-prefill of the window (and query):
+        `input_ids` (= `input_ids(query)[None]`), plus pixels, grids and token types for image and
+        frame chunks; the model computes the positions itself. `model(**reference_inputs(q))`."""
+        parts = [self._chunks[c].inputs for c in self._order]
+        if query is not None:
+            parts.append(self._query_ids(query))
+        return self.km.reference_inputs(parts)
+
     def next_token_logprobs(self, query: str) -> torch.Tensor:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the reused cache."""
         t0 = time.perf_counter()
@@ -201,9 +250,10 @@ class Window:
         return torch.log_softmax(logits, -1)
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
-        """The same from a full re-prefill of `input_ids(query)`."""
-        ids = self.input_ids(query)
-        return torch.log_softmax(self.km.forward(ids, 0).logits[0, -1].float(), -1)
+        """The same from a full re-prefill of `reference_inputs(query)` (the model's own forward,
+        vision tower included)."""
+        parts = [self._chunks[c].inputs for c in self._order] + [self._query_ids(query)]
+        return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
     def generate(self, query: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of `query` read after the reused cache."""
@@ -212,7 +262,7 @@ class Window:
         from agentwin.models.kv import build_cache
 
         kv, length = self._materialize()
-        cache = build_cache(kv, self.km.model.config, self.km.layout) if length else None
+        cache = build_cache(kv, self.km.model.config, self.km.layout) if kv else None
         ids, position, out = self._query_ids(query), length, []
         eos = getattr(self.km.model.config, "eos_token_id", None)
         for _ in range(max_new_tokens):
@@ -288,8 +338,9 @@ class Window:
     def _conditioned_patch(self, chunk: _Chunk, antecedent: Sequence[ChunkId]) -> kp.ChunkPatch:
         """The patch of `chunk` after `antecedent`, from one conditioned pass on the materialised prefix."""
         t0 = time.perf_counter()
-        prefix, length = self._materialize(antecedent)
-        conditioned = relocate_kv(self.km.encode_after(prefix, length, chunk.ids), self.km.specs, self.km.layout, -length)
+        prefix, span = self._materialize(antecedent)
+        after = self.km.encode_after(prefix, span, chunk.inputs, self._features)
+        conditioned = relocate_kv(after, self.km.specs, self.km.layout, -span)
         deltas = kp.deficit(conditioned, chunk.canonical)
         full = max(t[0].numel() for t in chunk.canonical[0])
         rank = full if self.rank is None else self.rank
@@ -315,15 +366,45 @@ class Window:
             return self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, antecedent_ids))
         return self._stored_patch(chunk, chunk.origin)
 
-    def _canonical(self, key: ChunkKey, ids: torch.Tensor) -> list[LayerKV]:
+    def _prepare(self, content: Any) -> tuple[ChunkInput, ChunkKey]:
+        """Model inputs and content key of a chunk; the key covers what fixes its canonical KV
+        (token ids; for images and frames the processed pixels, grid and settings)."""
+        fp, tenant = self.km.fingerprint, self.store.tenant
+        if isinstance(content, Text):
+            ids = self.km.tokenize(content.text)
+            if ids.numel() == 0:
+                raise ValueError("the text tokenizes to no tokens")
+            return ids, ChunkKey.of(fp, "text", ids.tolist(), tenant=tenant)
+        if isinstance(content, Image):
+            vc = self.km.image(content.source, content.min_tokens, content.max_tokens)
+        elif isinstance(content, Frames):
+            vc = self.km.frames(content.frames, content.timestamps, content.fps, content.min_tokens, content.max_tokens)
+        else:
+            raise TypeError(f"append takes Text, Image, Frames or str, got {type(content).__name__}")
+        return vc, ChunkKey.of(fp, vc.kind, bytes.fromhex(vc.digest()), tenant=tenant)
+
+    def _features(self, vc: VisionChunk) -> dict:
+        """Vision-tower outputs of `vc` through the encoder cache: the tower runs once per image."""
+        computed = self.encoder.computed
+        out = self.encoder.get_or_compute(self.encoder.key(bytes.fromhex(vc.digest())), lambda: self.km.features(vc),
+                                          {"modality": vc.kind, "tokens": int(vc.ids.numel())})
+        if self.encoder.computed > computed:
+            self._stats.encoder_calls += 1
+        else:
+            self._stats.encoder_hits += 1
+        return out
+
+    def _canonical(self, key: ChunkKey, inputs: ChunkInput) -> list[LayerKV]:
         """Canonical KV from the store, or encoded alone once and stored."""
+        ids = self.km.ids(inputs)
         hit = self.store.get(key)
         if hit is not None:
             self._stats.canonical_hits += 1
             self._stats.encode_tokens_avoided += int(ids.numel())
             return tensors_to_kv(hit[0])
-        kv = self.km.encode(ids)
-        self.store.put(key, kv_to_tensors(kv), {"modality": "text", "tokens": int(ids.numel())})
+        kv = self.km.encode(inputs, self._features)
+        modality = inputs.kind if isinstance(inputs, VisionChunk) else "text"
+        self.store.put(key, kv_to_tensors(kv), {"modality": modality, "tokens": int(ids.numel())})
         return kv
 
     def _patch_key(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:
@@ -345,7 +426,8 @@ class Window:
         return patch
 
     def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
-        """Placed KV of `order` (default: the window) and its token count."""
+        """Placed KV of `order` (default: the window) and its span in position units (where the
+        next chunk or the query starts; the token count for text)."""
         order = self._order if order is None else list(order)
         parts, start = [], 0
         for index, cid in enumerate(order):
@@ -363,5 +445,5 @@ class Window:
                 if self._stats.conditioned_passes == passes:  # no forward pass was spent on it
                     self._stats.prefill_tokens_avoided += int(chunk.ids.numel())
             parts.append(kv)
-            start += int(chunk.ids.numel())
+            start += self.km.span(chunk.inputs)
         return (concat_kv(*parts) if parts else []), start

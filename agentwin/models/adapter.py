@@ -3,19 +3,31 @@
 It owns what the window needs from the model and nothing else: tokenizing, encoding a chunk alone
 in its chunk-local frame, the conditioned pass of a chunk after its antecedent, building a cache
 from token-major KV, and next-token logits of a query read after a cache. Text models with 1-D
-RoPE (Llama-style, GPT-NeoX, Gemma-3) and MLA (DeepSeek-V2/V3) are covered here; a model whose
-keys cannot be relocated exactly is refused when wrapped (`UnsupportedModelError`).
+RoPE (Llama-style, GPT-NeoX, Gemma-3), MLA (DeepSeek-V2/V3) and the Qwen-VL families (image and
+frame chunks, `agentwin.models.vision`) are covered; a model whose keys cannot be relocated
+exactly is refused when wrapped (`UnsupportedModelError`), and so is any other vision-language
+family.
+
+A chunk is either a 1-D tensor of text token ids or a `VisionChunk`. Positions are in position
+units: a text chunk of T tokens spans T, a vision chunk spans what the model's M-RoPE rules give
+(`VisionChunk.span`). Vision-tower outputs come through `features`, a callable the window backs
+with its `EncoderCache`, so the tower runs once per distinct image.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
 from agentwin.models.kv import LayerKV, build_cache, extract_kv
+from agentwin.models.vision import (VisionChunk, VisionPreparer, encoder_outputs, is_qwen_vl, rope_positions,
+                                    vision_features)
 from kamera_core import kv_layout, model_name, rope_specs
+
+ChunkInput = Union[torch.Tensor, VisionChunk]
+Features = Callable[[VisionChunk], dict]
 
 
 class ByteTokenizer:
@@ -37,16 +49,24 @@ class ByteTokenizer:
 class KameraModel:
     """A causal LM plus its tokenizer, checked for exact relocation at construction."""
 
-    def __init__(self, model: Any, tokenizer: Any = None, name: str | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any = None, name: str | None = None, processor: Any = None) -> None:
+        """processor: a Qwen-VL model's `AutoProcessor` (its tokenizer and image / video
+        processors); without one, a tiny model gets processors built from its vision config."""
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model (torch.nn.Module with .config), got {type(model).__name__}")
         self.model = model.eval()
         self.name = name or model_name(model.config)
-        if getattr(model.config, "vision_config", None) is not None:
-            raise ValueError(f"{self.name}: vision-language models are not wrapped by this adapter yet; use a text model")
+        self.is_vlm = getattr(model.config, "vision_config", None) is not None
+        if self.is_vlm and not is_qwen_vl(model.config):
+            raise ValueError(f"{self.name}: vision-language family {model.config.model_type!r} is not supported; "
+                             "image and frame chunks need Qwen2-VL, Qwen2.5-VL or Qwen3-VL (a text model works too)")
         self.specs = list(rope_specs(model.config))  # refuses what cannot be relocated exactly
         self.layout = kv_layout(model.config)
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(int(model.config.vocab_size))
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(int(text_config.vocab_size))
+        self.vision = VisionPreparer(model, self.tokenize, processor) if self.is_vlm else None
         self.fingerprint = self._fingerprint()
 
     @classmethod
@@ -61,8 +81,22 @@ class KameraModel:
             return cls(model, tokenizer, name="smollm2")
         if name_or_path in TINY:
             return cls(build_tiny(name_or_path, dtype=dtype), None, name=name_or_path)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        try:
+            config = AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load {name_or_path!r}: not a built-in name ({', '.join(['smollm2', *TINY])}) "
+                             f"and not a readable model directory or reachable hub name ({e})") from None
+        if getattr(config, "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            if not is_qwen_vl(config):
+                raise ValueError(f"{name_or_path}: vision-language family {config.model_type!r} is not supported; "
+                                 "use a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint")
+            processor = AutoProcessor.from_pretrained(name_or_path)
+            model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
+            return cls(model, processor.tokenizer, name=name_or_path, processor=processor)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="eager")
         return cls(model, tokenizer, name=name_or_path)
@@ -86,28 +120,108 @@ class KameraModel:
             self.tokenizer(text, add_special_tokens=False).input_ids
         return torch.tensor(ids, dtype=torch.long)
 
-    def forward(self, ids: torch.Tensor, start: int, cache: Any = None) -> Any:
-        """The model's forward of `ids` `[T]` at positions start..start+T-1, after `cache`."""
-        positions = torch.arange(start, start + int(ids.shape[0]))[None]
-        with torch.no_grad():
-            return self.model(input_ids=ids[None], position_ids=positions, cache=cache, use_cache=True)
+    # ---- chunks -------------------------------------------------------------------------------
 
-    def encode(self, ids: torch.Tensor) -> list[LayerKV]:
+    def image(self, source: Any, min_tokens: int = 4, max_tokens: int = 1024) -> VisionChunk:
+        """An image chunk (PIL image, path, encoded bytes or `[H, W, 3]` uint8 array), resized to
+        at most `max_tokens` tokens the qwen-vl-utils way."""
+        return self._preparer().image(source, min_tokens, max_tokens)
+
+    def frames(self, frames: Sequence[Any], timestamps: Sequence[float] | None = None, fps: float = 2.0,
+               min_tokens: int = 128, max_tokens: int = 768) -> VisionChunk:
+        """A frame-run chunk (frames sampled by the caller); token budgets are per frame."""
+        return self._preparer().frames(frames, timestamps, fps, min_tokens, max_tokens)
+
+    def _preparer(self) -> VisionPreparer:
+        if self.vision is None:
+            raise ValueError(f"{self.name} is a text-only model: it cannot take image or frame chunks; "
+                             "pass the observation's text, or use a Qwen-VL model")
+        return self.vision
+
+    @staticmethod
+    def span(chunk: ChunkInput) -> int:
+        """Position units a chunk takes (tokens for text)."""
+        return chunk.span if isinstance(chunk, VisionChunk) else int(chunk.shape[0])
+
+    @staticmethod
+    def ids(chunk: ChunkInput) -> torch.Tensor:
+        return chunk.ids if isinstance(chunk, VisionChunk) else chunk
+
+    def features(self, chunk: VisionChunk) -> dict:
+        """The vision tower's outputs for `chunk` (no caching; the window caches them)."""
+        return vision_features(self.model, chunk)
+
+    # ---- forward passes -----------------------------------------------------------------------
+
+    def _positions(self, chunk: ChunkInput, start: int) -> torch.Tensor:
+        if isinstance(chunk, VisionChunk):
+            return (chunk.positions + start)[:, None]  # (3, 1, T)
+        positions = torch.arange(start, start + int(chunk.shape[0]))[None]
+        return positions.expand(3, 1, -1) if self.is_vlm else positions
+
+    def forward(self, chunk: ChunkInput, start: int, cache: Any = None, features: Features | None = None) -> Any:
+        """The model's forward of one chunk placed at `start`, after `cache`. Vision-tower outputs
+        come from `features(chunk)` (default: run the tower)."""
+        kw: dict[str, Any] = {}
+        if isinstance(chunk, VisionChunk):
+            tensors = (features or self.features)(chunk)
+            kw = {"mm_encoder_outputs": encoder_outputs(self.model, chunk, tensors), "mm_token_type_ids": chunk.mm_type[None]}
+        ids = self.ids(chunk)
+        with torch.no_grad():
+            return self.model(input_ids=ids[None], position_ids=self._positions(chunk, start), cache=cache,
+                              use_cache=True, **kw)
+
+    def reference_inputs(self, parts: Sequence[ChunkInput]) -> dict[str, torch.Tensor]:
+        """Keyword arguments of a plain re-prefill of `parts` (`input_ids` `[1, T]`, and for vision
+        chunks `mm_token_type_ids`, pixels, grids), positions left to the model itself."""
+        if not parts:
+            raise ValueError("nothing to run: no chunks and no query")
+        kw: dict[str, Any] = {"input_ids": torch.cat([self.ids(p) for p in parts])[None]}
+        vision = [p for p in parts if isinstance(p, VisionChunk)]
+        if vision:
+            kw["mm_token_type_ids"] = torch.cat([p.mm_type if isinstance(p, VisionChunk)
+                                                 else torch.zeros(len(p), dtype=torch.int32) for p in parts])[None]
+            for kind, pix, grid in (("image", "pixel_values", "image_grid_thw"),
+                                    ("video", "pixel_values_videos", "video_grid_thw")):
+                chosen = [p for p in vision if p.kind == kind]
+                if chosen:
+                    kw[pix] = torch.cat([p.pixels for p in chosen])
+                    kw[grid] = torch.cat([p.grid_thw for p in chosen])
+                    if kind == "video" and self.model.config.model_type == "qwen2_5_vl":
+                        kw["second_per_grid_ts"] = torch.tensor([p.second_per_grid for p in chosen])
+        return kw
+
+    def reference_forward(self, parts: Sequence[ChunkInput]) -> Any:
+        """The model's own forward over the whole sequence of `parts`, positions computed by the
+        model itself from the token types and grids: what a plain re-prefill does."""
+        with torch.no_grad():
+            return self.model(use_cache=False, **self.reference_inputs(parts))
+
+    def reference_positions(self, parts: Sequence[ChunkInput]) -> torch.Tensor:
+        """`[3, T]` (M-RoPE) positions the model itself assigns to the whole sequence of `parts`."""
+        return rope_positions(self.model, parts)[0]
+
+    def encode(self, chunk: ChunkInput, features: Features | None = None) -> list[LayerKV]:
         """KV of the chunk alone in its chunk-local frame (start 0); owned copies."""
-        return [(k.clone(), v.clone()) for k, v in extract_kv(self.forward(ids, 0).cache, self.layout)]
+        out = self.forward(chunk, 0, None, features)
+        return [(k.clone(), v.clone()) for k, v in extract_kv(out.cache, self.layout)]
 
     def key_summary(self, ids: torch.Tensor) -> torch.Tensor:
         """`[layers, width]` float32 mean over tokens of the chunk-local keys of `ids` (MLA: c_KV),
         comparable with `Window.key_summary` for retrieval."""
         return torch.stack([k.float().mean(0).reshape(-1) for k, _ in self.encode(ids)])
 
-    def encode_after(self, prefix: Sequence[LayerKV], prefix_len: int, ids: torch.Tensor) -> list[LayerKV]:
-        """KV of `ids` read after a cache of `prefix` (placed at 0..prefix_len), at its own positions."""
-        cache = build_cache(prefix, self.model.config, self.layout) if prefix_len else None
-        out = self.forward(ids, prefix_len, cache)
-        return [(k[prefix_len:].clone(), v[prefix_len:].clone()) for k, v in extract_kv(out.cache, self.layout)]
+    def encode_after(self, prefix: Sequence[LayerKV], prefix_span: int, chunk: ChunkInput,
+                     features: Features | None = None) -> list[LayerKV]:
+        """KV of `chunk` read after a cache of `prefix` (which spans 0..prefix_span), placed at
+        prefix_span (the conditioned pass)."""
+        cache = build_cache(prefix, self.model.config, self.layout) if prefix else None
+        tokens = int(prefix[0][0].shape[0]) if prefix else 0
+        out = self.forward(chunk, prefix_span, cache, features)
+        return [(k[tokens:].clone(), v[tokens:].clone()) for k, v in extract_kv(out.cache, self.layout)]
 
-    def query_logits(self, kv: Sequence[LayerKV], length: int, query_ids: torch.Tensor) -> torch.Tensor:
-        """Last-position logits `[vocab]` float32 of `query_ids` read after a cache holding `kv`."""
-        cache = build_cache(kv, self.model.config, self.layout) if length else None
-        return self.forward(query_ids, length, cache).logits[0, -1].float()
+    def query_logits(self, kv: Sequence[LayerKV], start: int, query_ids: torch.Tensor) -> torch.Tensor:
+        """Last-position logits `[vocab]` float32 of `query_ids` placed at `start`, read after a
+        cache holding `kv`."""
+        cache = build_cache(kv, self.model.config, self.layout) if kv else None
+        return self.forward(query_ids, start, cache).logits[0, -1].float()

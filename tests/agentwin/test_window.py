@@ -149,11 +149,18 @@ def test_bad_input_raises_and_leaves_the_window_as_it_was():
     win.check_integrity()
 
 
-def test_vision_language_model_refused_with_reason():
-    from agentwin.models.zoo import build_tiny
+def test_unsupported_vision_language_family_refused_with_reason():
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-    with pytest.raises(ValueError, match="vision-language"):
-        KameraModel(build_tiny("tiny-qwen2-vl"))
+    config = LlavaConfig(text_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                      "vocab_size": 300},
+                         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                        "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                                        "patch_size": 14},
+                         image_token_id=299)
+    with pytest.raises(ValueError, match="vision-language family 'llava' is not supported"):
+        KameraModel(LlavaForConditionalGeneration(config))
 
 
 @pytest.mark.slow

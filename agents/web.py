@@ -18,8 +18,8 @@ back. Element numbers refer to the last observation.
 
 Only http(s) pages on allowed hosts are visited (default: the start URL's host, any port).
 `goto` to another host or scheme (file://, data:, chrome:) is refused with `ActionError`; so is a
-link to one; a navigation that a click, a form or a script starts towards one is stopped by request
-interception, and the page stays where it was. Requests for other hosts' images, scripts and styles
+link to one; a navigation that a click, a form, a script or a redirect starts towards one is stopped
+by request interception, and the page stays where it was. Requests for other hosts' images, scripts and styles
 are blocked too (the agent sees only allowed content and the browser stays offline). Page loads go
 through Playwright's request interception, so an unreachable URL or a timeout leaves the page where
 it was and gives an `ActionError` saying why; `EnvError` when the start URL cannot be loaded or the
@@ -306,6 +306,15 @@ class BrowserEnv:
             self._failed.append((request.url, _reason(str(e))))
             route.fulfill(status=204, body="")
             return
+        location = response.headers.get("location")
+        if 300 <= response.status < 400 and location:
+            # The browser follows a fulfilled redirect without routing the next request: the
+            # target is checked here.
+            target = urljoin(request.url, location)
+            if not self.allowed(target):
+                self._refused.append(target)
+                route.fulfill(status=204, body="")
+                return
         self._status = response.status
         route.fulfill(response=response)
 

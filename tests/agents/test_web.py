@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -41,9 +42,18 @@ PAGES = {
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         url = urlsplit(self.path)
+        if url.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://elsewhere.test/landing.html")
+            self.end_headers()
+            return
+        if url.path == "/slow.html":
+            time.sleep(3)
         if url.path == "/search":
             q = parse_qs(url.query).get("q", [""])[0]
             body = f"<html><head><title>Search</title></head><body><p>Results for {q}</p></body></html>"
+        elif url.path == "/slow.html":
+            body = "<html><head><title>Slow</title></head><body>late</body></html>"
         elif url.path in PAGES:
             body = PAGES[url.path]
         else:
@@ -165,6 +175,26 @@ def test_unreachable_url_is_an_action_error_and_the_tab_goes_on(env, site):
     obs = env.act({"action": "goto", "url": "/b.html"})
     assert obs.meta["url"] == f"{site}/b.html" and "Tobias" in obs.text
     assert env.act({"action": "back"}).meta["url"] == f"{site}/a.html"
+
+
+def test_redirect_to_another_host_is_refused(env, site):
+    env.reset()
+    with pytest.raises(ActionError, match=r"refused to open http://elsewhere\.test/landing\.html"):
+        env.act({"action": "goto", "url": "/redirect"})
+    assert env.act({"action": "goto", "url": "/b.html"}).meta["url"] == f"{site}/b.html"
+
+
+def test_missing_page_shows_its_status_and_slow_page_times_out(env, site):
+    env.reset()
+    missing = env.act({"action": "goto", "url": "/missing.html"})
+    assert missing.meta["status"] == 404 and "HTTP status: 404" in missing.text
+    env.timeout_s = 1.0  # page loads are fetched with the timeout current at the time
+    try:
+        with pytest.raises(ActionError, match=r"could not load .*/slow\.html: timed out"):
+            env.act({"action": "goto", "url": "/slow.html"})
+    finally:
+        env.timeout_s = 10.0
+    assert env.act({"action": "goto", "url": "/b.html"}).meta["status"] == 200
 
 
 def test_file_urls_are_refused(env, site):

@@ -314,8 +314,20 @@ def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: 
     """
     from safetensors.torch import save_file
 
+    saved_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    try:
+        return _train(out, seed, steps, batch_size, lr, warmup, weight_decay, max_minutes, eval_every, log,
+                      threads, model_over)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _train(out, seed, steps, batch_size, lr, warmup, weight_decay, max_minutes, eval_every, log, threads,
+           model_over) -> dict:
+    from safetensors.torch import save_file
+
     tok = BindingTokenizer()
     model = new_model(seed, **(model_over or {}))
     model.train()
@@ -342,7 +354,7 @@ def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        run_loss, run_acc, run_n = run_loss + float(loss), run_acc + float(acc), run_n + 1
+        run_loss, run_acc, run_n = run_loss + float(loss.detach()), run_acc + float(acc), run_n + 1
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             model.eval()
             probe_acc = accuracy_full(model, tok, probe)
@@ -401,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="full-context and blind-reuse accuracy of a checkpoint")
     ev.add_argument("--path", default=str(CHECKPOINT_DIR))
     ev.add_argument("--items", type=int, default=1000)
+    ev.add_argument("--record", action="store_true", help="write the figures into the checkpoint's binding.json")
     args = parser.parse_args(argv)
     if args.cmd == "train":
         train(args.out, args.seed, args.steps, args.batch_size, args.lr, args.warmup, args.weight_decay,
@@ -408,8 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     model, tok = load(args.path)
     items = eval_items(args.items)
-    print(f"full context: {accuracy_full(model, tok, items):.4f}  blind reuse: {accuracy_blind(model, tok, items):.4f} "
-          f"({args.items} held-out items)")
+    full, blind = accuracy_full(model, tok, items), accuracy_blind(model, tok, items)
+    print(f"full context: {full:.4f}  blind reuse: {blind:.4f} ({args.items} held-out items)")
+    if args.record:
+        path = Path(args.path) / "binding.json"
+        desc = json.loads(path.read_text())
+        desc["eval"] = {"items": args.items, "eval_seed": 10_000, "full_context_acc": full, "blind_reuse_acc": blind,
+                        "command": f"python -m tools.binding eval --items {args.items}"}
+        path.write_text(json.dumps(desc, indent=1))
     return 0
 
 

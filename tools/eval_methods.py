@@ -455,25 +455,71 @@ def conditioning(model: Any, prefix: Sequence[Chunk], chunk: Chunk, canonical: S
     return Conditioning(kp.deficit(local, canonical), cp.queries, time.perf_counter() - t0)
 
 
-def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, storage: str = "fp16",
-              num_kv_heads: int | None = None) -> kp.ChunkPatch:
-    """A patch of at most `budget_bytes` for the deficit of `cond` (a Conditioning, or plain
-    per-layer deltas for orbit patches): uniform rank for svd/query, the allocator for alloc/orbit."""
-    deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
-    if method in ("kamera-alloc", "kamera-orbit"):
-        from tools.patch_eval import allocate_patch
+@dataclass
+class PatchFits:
+    """Full-rank factors of every layer's K and V deficit of one chunk, ordered by gain, with the
+    gains and the block energies: any rank or byte budget is then a truncation (one decomposition
+    per block serves every budget)."""
 
-        return allocate_patch(deltas, budget_bytes, storage, method)
-    per_rank = sum(kp.bytes_per_rank(d.shape[0], d[0].numel(), storage) for pair in deltas for d in pair)
-    rank = int(budget_bytes // per_rank)
-    metrics = None
+    method: str
+    full: list[tuple[kp.Factors, kp.Factors]]
+    gains: list[tuple[torch.Tensor, torch.Tensor]]
+    energy: list[tuple[float, float]]
+    features: list[tuple[int, int]]
+    tokens: int
+
+
+def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | None = None) -> PatchFits:
+    """Decompose a chunk's deficit (a Conditioning, or plain per-layer deltas for orbit patches)
+    for `method`: kamera-svd / kamera-alloc / kamera-orbit plain, kamera-query with K in the
+    query second-moment metric of the conditioned pass."""
+    deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
+    if method not in KAMERA_METHODS:
+        raise ValueError(f"unknown patch method {method!r}; choose one of {KAMERA_METHODS}")
+    metrics = [(None, None)] * len(deltas)
     if method == "kamera-query":
         if not isinstance(cond, Conditioning) or num_kv_heads is None:
             raise ValueError("kamera-query needs the conditioned pass's queries and num_kv_heads")
         metrics = [(kp.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
-    elif method != "kamera-svd":
-        raise ValueError(f"unknown patch method {method!r}")
-    return kp.build_patch(deltas, [(rank, rank)] * len(deltas), method, metrics, None, storage)
+    full, gains, energy = [], [], []
+    for (dk, dv), (mk, mv) in zip(deltas, metrics):
+        fk, gk, ek = kp.fit_with_gains(dk, mk)
+        fv, gv, ev = kp.fit_with_gains(dv, mv)
+        full.append((fk, fv))
+        gains.append((gk, gv))
+        energy.append((ek, ev))
+    return PatchFits(method, full, gains, energy, [(d[0].numel(), e[0].numel()) for d, e in deltas],
+                     int(deltas[0][0].shape[0]))
+
+
+def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.ChunkPatch:
+    """The patch of `fits` within `budget_bytes`: the largest uniform rank for K and V in every
+    layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
+    on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit)."""
+    costs = [(kp.bytes_per_rank(fits.tokens, fk, storage), kp.bytes_per_rank(fits.tokens, fv, storage))
+             for fk, fv in fits.features]
+    if fits.method in ("kamera-alloc", "kamera-orbit"):
+        candidates = {}
+        for l, ((gk, gv), (ek, ev), (ck, cv)) in enumerate(zip(fits.gains, fits.energy, costs)):
+            candidates[(l, 0)] = (gk, max(ek, 1e-30), ck)
+            candidates[(l, 1)] = (gv, max(ev, 1e-30), cv)
+        alloc = kp.allocate_ranks(candidates, budget_bytes)
+        ranks = [(alloc[(l, 0)], alloc[(l, 1)]) for l in range(len(fits.full))]
+    else:
+        rank = int(budget_bytes // sum(ck + cv for ck, cv in costs))
+        ranks = [(rank, rank)] * len(fits.full)
+
+    def one(f: kp.Factors, r: int) -> kp.Factors | None:
+        return kp.store(f.truncate(min(r, f.rank)), storage) if r else None
+
+    return kp.ChunkPatch(tuple(kp.LayerPatch(one(fk, rk), one(fv, rv))
+                               for (fk, fv), (rk, rv) in zip(fits.full, ranks)), fits.method)
+
+
+def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, storage: str = "fp16",
+              num_kv_heads: int | None = None) -> kp.ChunkPatch:
+    """A patch of at most `budget_bytes` for one chunk's deficit (see `patch_fits`, `patch_at`)."""
+    return patch_at(patch_fits(cond, method, num_kv_heads), budget_bytes, storage)
 
 
 def method_patched(ctx: Context, name: str, setting: str, patches: Sequence[kp.ChunkPatch | None],
@@ -513,11 +559,12 @@ def orbit_deltas(model: Any, head: Sequence[Chunk], members: Sequence[Chunk], ca
 def score(ctx: Context, result: Result, greedy: int = 0) -> dict:
     """Mean next-token KL, top-1 agreement and (with `greedy`) identical greedy continuations
     against the full re-prefill, over the context's queries."""
-    kls, top1, same, prefix = [], [], [], []
+    kls, top1, same, prefix, argmax = [], [], [], [], []
     for q, ref, qpos, ref_ids in zip(ctx.queries, ctx.reference, ctx.query_pos, ctx.reference_ids):
         logits = query_logits(ctx.model, ctx.layout, result.kv, q, qpos)
         kls.append(kl_div(ref, logits))
-        top1.append(float(int(logits.argmax()) == int(ref.argmax())))
+        argmax.append(int(logits.argmax()))
+        top1.append(float(argmax[-1] == int(ref.argmax())))
         if greedy:
             mine = greedy_ids(ctx.model, ctx.layout, result.kv, q, qpos, greedy)
             same.append(float(torch.equal(mine, ref_ids[:greedy])))
@@ -528,7 +575,7 @@ def score(ctx: Context, result: Result, greedy: int = 0) -> dict:
            "bytes_frac": result.extra_bytes / max(1, ctx.reused_kv_bytes()),
            "token_layers": result.token_layers,
            "compute_frac": result.token_layers / max(1, ctx.reused_tokens() * len(ctx.full_kv)),
-           "seconds": result.seconds, "build_seconds": result.build_seconds, "kls": kls}
+           "seconds": result.seconds, "build_seconds": result.build_seconds, "kls": kls, "argmax": argmax}
     if greedy:
         row["greedy_same"] = sum(same) / len(same)
         row["greedy_prefix"] = sum(prefix) / len(prefix)

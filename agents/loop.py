@@ -167,6 +167,7 @@ class AgentLoop:
         self._step_chunks: dict[int, list[int]] = {}  # step -> chunk ids of its observation
         self._step_label: dict[int, str] = {}
         self._step_meta: dict[int, dict[str, Any]] = {}
+        self._tokens: dict[int, int] = {}  # chunk id -> its tokens
         self._chunk_step: dict[int, int] = {}  # chunk id -> step that first showed it
         self._current: tuple[int, str] | None = None
         self._counts = {"content_hits": 0, "appended": 0, "recalled_tokens": 0, "malformed": 0, "refused": 0}
@@ -248,7 +249,7 @@ class AgentLoop:
             ids = []
             for chunk in observation_chunks(obs, self.window.km):
                 try:
-                    ids.append(int(self.window.append(chunk)))
+                    ids.append(self._append(chunk))
                 except ValueError as err:
                     raise EnvError(f"observation {obs.label!r} does not fit the window ({err}); raise "
                                    "--budget-tokens or make observations smaller") from err
@@ -267,9 +268,8 @@ class AgentLoop:
             self.decider.observe(obs)
 
     def _bring_back(self, chunk_ids: list[int], record: StepRecord) -> None:
-        """Recall `chunk_ids` at the window's end, evicting the oldest other chunks for room."""
-        tokens_before = self.window.tokens()
-        evicted_tokens = 0
+        """Recall `chunk_ids` at the window's end; the window evicts by its policy for room (a
+        window that refuses instead has its oldest other chunks evicted here)."""
         for cid in chunk_ids:
             while True:
                 try:
@@ -279,15 +279,22 @@ class AgentLoop:
                     victims = [c for c in self.window.chunks() if c not in chunk_ids]
                     if not victims:
                         raise
-                    before = self.window.tokens()
                     self.window.evict(victims[0])
-                    evicted_tokens += before - self.window.tokens()
-        self._counts["recalled_tokens"] += self.window.tokens() - tokens_before + evicted_tokens
+        self._counts["recalled_tokens"] += sum(self._tokens.get(c, 0) for c in chunk_ids)
         record.event = "recall"
         record.recalled = self._labels(chunk_ids)
         if self.fidelity_query:
             record.kl = kl_to_reference(self.window, self.fidelity_query)
             self._kls.append(record.kl)
+
+    def _append(self, chunk: Any) -> int:
+        """Append one chunk; learn its token count from the window's totals (the chunks it
+        evicted were appended here, so their counts are known)."""
+        before, tokens = self.window.chunks(), self.window.tokens()
+        cid = int(self.window.append(chunk))
+        gone = [c for c in before if c not in self.window.chunks()]
+        self._tokens[cid] = self.window.tokens() - tokens + sum(self._tokens.get(c, 0) for c in gone)
+        return cid
 
     def _recall_step(self, action: dict[str, Any], record: StepRecord) -> str:
         """{"step": N}, {"query": "..."} (closest key summary) or {"time": T} (meta start..end)."""

@@ -1,6 +1,10 @@
 """`agentwin`: the project's command line.
 
-    agentwin demo ...                       relocation demo (tools/demo.py)
+    agentwin demo                           document navigator on SmolLM2: evictions, recalls, KL, savings
+    agentwin relocation-demo                KV moved 30000 positions by RoPE re-rotation (= demo --relocation)
+    agentwin doc FILE.pdf --question Q      document navigator (the model decides every step)
+    agentwin web URL --task T               web agent in headless Chromium
+    agentwin video FILE --question Q        long-video loop (a vision-language model)
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
     agentwin bench window --json FILE       window operations: blind vs rank-16 vs exact patches
@@ -26,11 +30,15 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
-    from tools import bench_patches, bench_relocate, bench_window, demo, diagnose
+    from tools import agents_cli, bench_patches, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _command(sub, "demo", demo, "relocation demo on the real embedded model")
+    _command(sub, "demo", demo, "document navigator on the real SmolLM2: evictions, recalls, KL vs re-prefill, savings")
+    _command(sub, "relocation-demo", relocation_demo, "exact relocation of KV encoded 30000 positions away, on SmolLM2")
+    _command(sub, "doc", agents_cli.DOC, "answer a question from a PDF (document navigator)")
+    _command(sub, "web", agents_cli.WEB, "do a task in a web browser (web agent)")
+    _command(sub, "video", agents_cli.VIDEO, "answer a question about a video (long-video loop)")
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     _command(kinds, "relocate", bench_relocate, "CPU relocation throughput as a ratio to a plain copy")

@@ -1,4 +1,5 @@
-"""`agentwin demo`: exact KV relocation on the real embedded SmolLM2-135M-Instruct.
+"""`agentwin relocation-demo` (or `agentwin demo --relocation`): exact KV relocation on the real
+embedded SmolLM2-135M-Instruct.
 
 A reading session encoded [A, B] deep into a long context (start 30000 by default). A new window
 starts from scratch and asks a question about them. Instead of re-prefilling A and B, it moves

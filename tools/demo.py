@@ -1,0 +1,189 @@
+"""`agentwin demo`: the document navigator on the real embedded SmolLM2, forcing evictions and recalls.
+
+The demo writes a six-page PDF of facts about an island (pypdfium2 reads it back), opens it in
+`agents.doc.PdfEnv` and runs the shared agent loop on a window too small for the document, so
+pages are evicted as the agent reads on and recalled when it comes back to them. It prints, all
+measured in that run:
+- every step: the action, the page, what the window evicted and recalled;
+- at each recall, the KL between the window's next-token distribution for the question and a full
+  re-prefill of the same tokens (`Window.next_token_logprobs` vs `Window.reference_logprobs`);
+- the answer SmolLM2 generates through the window, and the answer a full re-prefill generates;
+- the reuse savings: content-key hits, encode and prefill tokens avoided, the time that saves.
+
+The moves are a fixed heuristic, not the model (SmolLM2-135M is too small to navigate reliably):
+read every page in order, search for the question's key phrase, go back to the page found, recall
+page 1 by its step number, answer. The answer is the model's. `agentwin doc FILE.pdf --question`
+lets the model make the moves too. `agentwin demo --relocation` runs the relocation demo (KV moved
+30000 positions by RoPE re-rotation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools import relocation_demo
+from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
+
+PAGES = [
+    "Velmora survey, page 1: the harbour. The harbour master of Velmora is Anja Roth. She keeps the "
+    "tide log in the harbour office and rings the bell when a storm is coming. The harbour has "
+    "twelve moorings and one crane.",
+    "Velmora survey, page 2: the lighthouse. The lighthouse keeper of Velmora is Tobias Mertens. He "
+    "repairs the fog horn every spring and paints the tower white every third summer. The lamp "
+    "can be seen for twenty kilometres.",
+    "Velmora survey, page 3: the ferry. The ferry captain is Lena Okafor, and her ferry is called "
+    "the Grey Heron. It leaves the north pier at seven in the morning and returns at six in the "
+    "evening, except on Sundays.",
+    "Velmora survey, page 4: the school. The island school is run by Pavel Ilic, who also plays "
+    "the organ at the chapel on Sundays. Fourteen children attend the school; the oldest is "
+    "eleven years old.",
+    "Velmora survey, page 5: the bakery. The bakery on Mill Street belongs to Marta Vidal. She bakes "
+    "rye bread on Mondays and almond cake on Fridays, and she delivers bread to the lighthouse by "
+    "bicycle.",
+    "Velmora survey, page 6: the weather station. The weather station on the western cliff is read "
+    "by Jonas Berg at noon each day. The strongest wind he recorded was one hundred and ten "
+    "kilometres per hour.",
+]
+QUESTION = "Who is the lighthouse keeper of Velmora?"
+PHRASE = "lighthouse keeper"
+EXPECTED = "Tobias Mertens"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--relocation", action="store_true",
+                        help="run the relocation demo instead (KV moved by RoPE re-rotation; --start, --new-tokens)")
+    parser.add_argument("--start", type=int, default=30000, help="relocation demo: original start position")
+    parser.add_argument("--new-tokens", type=int, default=20,
+                        help="tokens of the answer (and of the relocation demo's continuations) (default 20)")
+    parser.add_argument("--pdf", metavar="FILE", help="also keep the generated PDF at FILE")
+    add_window_arguments(parser, model="smollm2", budget=320, max_steps=14, rank="exact")
+
+
+def answer_query(question: str) -> str:
+    return f"\nQuestion: {question}\nAnswer:"
+
+
+def reference_generate(window: Any, query: str, max_new_tokens: int) -> str:
+    """Greedy continuation of `query` after a full re-prefill of the window's tokens (no reuse)."""
+    km = window.km
+    ids = window.input_ids(query)
+    out, position, cache = [], 0, None
+    eos = getattr(km.model.config, "eos_token_id", None)
+    for _ in range(max_new_tokens):
+        result = km.forward(ids, position, cache)
+        cache, position = result.cache, position + int(ids.numel())
+        token = int(result.logits[0, -1].argmax())
+        if token == eos:
+            break
+        out.append(token)
+        ids = torch.tensor([token])
+    return km.tokenizer.decode(out)
+
+
+def run_demo(km: Any, args: argparse.Namespace, pdf_path: Path, progress: bool = True, log=print) -> dict:
+    """Write the PDF, run the navigator, return the figures (and the run) as a dict."""
+    from agents.doc import PdfEnv, SkimSearchDecider, write_text_pdf
+    from agents.loop import AgentLoop
+
+    write_text_pdf(pdf_path, PAGES)
+    window = make_window(km, args)
+    query = answer_query(QUESTION)
+    answers: dict[str, str] = {}
+
+    def answer(win: Any) -> str:
+        t0 = time.perf_counter()
+        answers["window"] = win.generate(query, max_new_tokens=args.new_tokens).strip()
+        answers["window_s"] = time.perf_counter() - t0
+        return answers["window"]
+
+    policy = SkimSearchDecider(PHRASE, answer_fn=answer, recall_step=0)
+    with PdfEnv(pdf_path, progress=progress) as env:
+        loop = AgentLoop(env, window, policy, QUESTION, max_steps=args.max_steps, log_path=args.log,
+                         fidelity_query=query, progress=progress)
+        result = loop.run()
+    t0 = time.perf_counter()
+    reference = reference_generate(window, query, args.new_tokens).strip()
+    reference_s = time.perf_counter() - t0
+    s = result.summary
+    figures = {
+        "question": QUESTION,
+        "expected": EXPECTED,
+        "answer": s.answer,
+        "reference_answer": reference,
+        "answer_matches_reprefill": s.answer == reference,
+        "answer_correct": s.answer is not None and EXPECTED.lower() in s.answer.lower(),
+        "kl_at_recalls": s.kl_at_recalls,
+        "max_kl": max((abs(k) for k in s.kl_at_recalls), default=None),
+        "rank": "exact" if args.rank is None else args.rank,
+        "patch": args.patch,
+        "budget_tokens": args.budget_tokens,
+        "pages": len(PAGES),
+        "answer_s_reused": answers.get("window_s"),
+        "answer_s_reprefill": reference_s,
+        "navigation": "heuristic (read all pages, search, go back, recall page 1 by step); the answer is SmolLM2's",
+    }
+    return {"figures": figures, **result.to_json(), "_result": result}
+
+
+def _report(run: dict, log=print) -> None:
+    result, f = run["_result"], run["figures"]
+    s = result.summary
+    log("\nsteps (moves by a fixed heuristic, not the model; the answer is generated by the model):")
+    log(steps_table(result.records))
+    log("\nsummary:")
+    log(s.table())
+    rank = "exact patches (rank=None)" if f["rank"] == "exact" else f"rank-{f['rank']} {f['patch']} patches"
+    log(f"\nquestion: {f['question']}")
+    log(f"  answer through the window : {f['answer']!r}")
+    log(f"  answer from a re-prefill  : {f['reference_answer']!r}  "
+        f"({'identical' if f['answer_matches_reprefill'] else 'DIFFERENT'})")
+    log(f"  expected '{f['expected']}': {'found' if f['answer_correct'] else 'not found'} in the answer")
+    kls = ", ".join(f"{k:.2e}" for k in f["kl_at_recalls"]) or "none"
+    log(f"KL(re-prefill || window) at each recall, {rank}: {kls} nats")
+    saved = "n/a" if s.time_saved_s is None else f"{s.time_saved_s:.2f} s"
+    log(f"reuse in this run: {s.content_hits} content-key hits and {s.recalls} recalls brought back "
+        f"{s.recalled_tokens} tokens without encoding; {s.prefill_tokens_avoided} tokens placed by "
+        f"relocation instead of prefill (~{saved} at "
+        f"{(s.prefill_s_per_token or 0) * 1e3:.2f} ms/token); {s.store_hits} store hits "
+        f"({s.encode_tokens_avoided} tokens)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.relocation:
+        return relocation_demo.run(args)
+    if args.new_tokens < 1:
+        print("error: --new-tokens must be positive", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    progress = not args.quiet
+    print(f"loading {args.model} ...", flush=True)
+    try:
+        km = load_model(args.model, progress)
+    except (ValueError, OSError) as err:
+        print(f"error: cannot load model {args.model!r}: {err}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t_start
+    with tempfile.TemporaryDirectory() as tmp:
+        pdf = Path(args.pdf) if args.pdf else Path(tmp) / "velmora.pdf"
+        demo = run_demo(km, args, pdf, progress=progress)
+    demo["figures"]["load_s"] = load_s
+    demo["figures"]["total_s"] = time.perf_counter() - t_start
+    _report(demo)
+    print(f"\nmodel load {load_s:.1f} s, whole demo {demo['figures']['total_s']:.1f} s")
+    if args.json:
+        write_json(args.json, {k: v for k, v in demo.items() if k != "_result"})
+        print(f"figures written to {args.json}")
+    s = demo["_result"].summary
+    return 0 if s.stopped == "answer" and s.recalls > 0 else 1
+
+
+# The relocation demo's measurement, for callers that used it from here.
+measure = relocation_demo.measure

@@ -9,8 +9,16 @@ Patch policies:
 - "none": blind reuse, no patch.
 - "origin": the patch fitted when the chunk was appended; for an antecedent never seen, that
   origin patch is reused as an approximation (with `rank=None` a fresh exact patch is computed).
+- "orbit": each chunk keeps the mean of its deficits over the distinct antecedents it was
+  conditioned on (at append, and under sampled orders of the window by `fit_orbit`; coming first
+  counts once, as a zero deficit); an antecedent without its own patch gets the low-rank fit of
+  that mean, which serves all orders of the same chunks instead of the one it was appended after.
 - "fresh": every new antecedent gets its own patch from a conditioned pass (costs that pass).
 `rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
+
+Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
+window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
+recalled or `touch`ed least recently) until the new one fits; `slide()` does the same on demand.
 
 Materialisation is incremental: a chunk whose antecedent and start are unchanged keeps its placed
 KV; one whose start moved is re-rotated; only a new antecedent costs a conditioned pass.
@@ -33,7 +41,8 @@ from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, p
 from kamera_core import patch as kp
 
 ChunkId = NewType("ChunkId", int)
-POLICIES = ("none", "origin", "fresh")
+POLICIES = ("none", "origin", "orbit", "fresh")
+EVICTION = ("fifo", "lru")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +108,9 @@ class _Chunk:
     origin: tuple[ChunkKey, ...]  # antecedent keys when appended
     slot: int  # index in the window when last present (recall's default place)
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
+    orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # summed deficits ("orbit" policy)
+    orbit_seen: set[tuple[ChunkKey, ...]] = field(default_factory=set)
+    orbit_patch: kp.ChunkPatch | None = None  # fit of the mean; None when stale
     placed: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None  # (antecedent, start, KV)
 
 
@@ -127,16 +139,19 @@ class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
-                 rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16") -> None:
+                 rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
+                 evict: str = "fifo") -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same
-        model is encoded once."""
+        model is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
             raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
         if rank is not None and (not isinstance(rank, int) or rank < 1):
             raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
+        if evict not in EVICTION:
+            raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
         if store is not None and not isinstance(store, ChunkStore):
@@ -146,6 +161,9 @@ class Window:
         self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
         self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
         self.storage = "fp32" if rank is None else storage
+        self.eviction = evict
+        self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
+        self._tick = 0
         self._chunks: dict[ChunkId, _Chunk] = {}
         self._order: list[ChunkId] = []
         self._pinned: set[ChunkId] = set()
@@ -175,6 +193,7 @@ class Window:
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)
+        self._touch(chunk.id)
         if pin:
             self._pinned.add(chunk.id)
         self._stats.seconds["append"] += time.perf_counter() - t0
@@ -187,21 +206,77 @@ class Window:
         self._chunks[chunk_id].slot = index
         self._order.pop(index)
         self._pinned.discard(chunk_id)
+        self._used.pop(chunk_id, None)
         self._stats.evictions += 1
 
-    def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
-        """Bring an evicted chunk back, at its old slot by default (clamped to the window's end)."""
+    def recall(self, chunk_id: ChunkId, at: int | None = None) -> list[ChunkId]:
+        """Bring an evicted chunk back, at its old slot by default (clamped to the window's end),
+        or at index `at`. Evicts by the window's policy first when the budget needs room (the
+        slot then counts among the chunks that remain); returns the chunks it evicted."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         if chunk_id in self._order:
             raise ValueError(f"chunk {chunk_id} is already in the window")
         index = self._chunks[chunk_id].slot if at is None else at
-        if not isinstance(index, int) or not 0 <= index <= len(self._order):
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self._order):
             raise ValueError(f"at must be an int in [0, {len(self._order)}], got {at!r}")
-        if self.tokens() + int(self._chunks[chunk_id].ids.numel()) > self.budget_tokens:
-            raise ValueError("recalling this chunk would exceed budget_tokens; evict something first")
+        victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()))  # raises before any change
+        for victim in victims:
+            self.evict(victim)
         self._order.insert(min(index, len(self._order)), chunk_id)
+        self._touch(chunk_id)
         self._stats.recalls += 1
+        return victims
+
+    def slide(self, free_tokens: int = 0) -> list[ChunkId]:
+        """Evict by the window's policy (FIFO or LRU, pinned chunks kept) until `free_tokens` more
+        tokens fit within the budget; returns the evicted chunks."""
+        if isinstance(free_tokens, bool) or not isinstance(free_tokens, int) or free_tokens < 0:
+            raise ValueError(f"free_tokens must be a non-negative int, got {free_tokens!r}")
+        victims = self._slide_plan(free_tokens)
+        for victim in victims:
+            self.evict(victim)
+        return victims
+
+    def touch(self, chunk_id: ChunkId) -> None:
+        """Mark a chunk as used now (LRU eviction keeps recently used chunks longest)."""
+        self._require_in_window(chunk_id)
+        self._touch(chunk_id)
+
+    def fit_orbit(self, orders: int = 6, seed: int = 0) -> int:
+        """Add the deficits of the window's chunks under `orders` random orders of them (one
+        forward of the whole window per order) to each chunk's orbit ("orbit" policy), so that
+        later reorders among these chunks are served by the orbit patch. Returns the number of
+        new orders used (orders already seen are skipped)."""
+        if self.policy != "orbit":
+            raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
+        if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
+            raise ValueError(f"orders must be a positive int, got {orders!r}")
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(seed)
+        seen: set[tuple[ChunkId, ...]] = set()
+        for _ in range(orders * 4):
+            if len(seen) == orders:
+                break
+            order = tuple(self._order[i] for i in torch.randperm(len(self._order), generator=g).tolist())
+            if order in seen:
+                continue
+            seen.add(order)
+            kv = self.km.prefill_kv([self._chunks[c].inputs for c in order])
+            start = token = 0
+            for index, cid in enumerate(order):
+                chunk = self._chunks[cid]
+                n = int(chunk.ids.numel())
+                if index:
+                    placed = [(k[token:token + n], v[token:token + n]) for k, v in kv]
+                    local = relocate_kv(placed, self.km.specs, self.km.layout, -start)
+                    self._add_orbit(chunk, self._keys(order[:index]), kp.deficit(local, chunk.canonical))
+                else:
+                    self._add_orbit(chunk, (), None)
+                start += self.km.span(chunk.inputs)
+                token += n
+        self._stats.seconds["fit_orbit"] += time.perf_counter() - t0
+        return len(seen)
 
     def reorder(self, order: Sequence[ChunkId]) -> None:
         """Set the window's order; `order` must be a permutation of the chunks in the window."""
@@ -213,6 +288,7 @@ class Window:
         """Never evicted by the budget policy while pinned."""
         self._require_in_window(chunk_id)
         self._pinned.add(chunk_id)
+        self._touch(chunk_id)
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -319,12 +395,18 @@ class Window:
             raise ValueError("the query tokenizes to no tokens")
         return ids
 
+    def _touch(self, chunk_id: ChunkId) -> None:
+        self._tick += 1
+        self._used[chunk_id] = self._tick
+
     def _slide_plan(self, incoming: int) -> list[ChunkId]:
-        """Chunks to evict, oldest unpinned first (FIFO), so that `incoming` more tokens fit the
-        budget. ValueError, with nothing changed, when the pinned chunks leave too little room."""
+        """Chunks to evict, unpinned, first in window order (FIFO) or least recently used first
+        (LRU), so that `incoming` more tokens fit the budget. ValueError, with nothing changed,
+        when the pinned chunks leave too little room."""
         excess = self.tokens() + incoming - self.budget_tokens
         victims = []
-        for cid in self._order:
+        candidates = self._order if self.eviction == "fifo" else sorted(self._order, key=lambda c: self._used.get(c, 0))
+        for cid in candidates:
             if excess <= 0:
                 break
             if cid not in self._pinned:
@@ -342,6 +424,8 @@ class Window:
         after = self.km.encode_after(prefix, span, chunk.inputs, self._features)
         conditioned = relocate_kv(after, self.km.specs, self.km.layout, -span)
         deltas = kp.deficit(conditioned, chunk.canonical)
+        if self.policy == "orbit":
+            self._add_orbit(chunk, self._keys(antecedent), deltas)
         full = max(t[0].numel() for t in chunk.canonical[0])
         rank = full if self.rank is None else self.rank
         patch = kp.build_patch(deltas, [(rank, rank)] * len(deltas), "svd" if self.rank else "exact", storage=self.storage)
@@ -364,7 +448,33 @@ class Window:
         self._stats.patch_misses += 1
         if self.policy == "fresh" or self.rank is None:
             return self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, antecedent_ids))
+        if self.policy == "orbit" and chunk.orbit is not None:
+            return self._orbit_patch(chunk)
         return self._stored_patch(chunk, chunk.origin)
+
+    def _add_orbit(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], deltas: list | None) -> None:
+        """Count one antecedent's deficit (None: the chunk first, a zero deficit) in the orbit."""
+        if antecedent in chunk.orbit_seen:
+            return
+        chunk.orbit_seen.add(antecedent)
+        if chunk.orbit is None:
+            chunk.orbit = [(torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+                           for k, v in chunk.canonical]
+        if deltas is not None:
+            for (sk, sv), (dk, dv) in zip(chunk.orbit, deltas):
+                sk += dk.float()
+                sv += dv.float()
+        chunk.orbit_patch = None
+
+    def _orbit_patch(self, chunk: _Chunk) -> kp.ChunkPatch:
+        """The low-rank fit of the chunk's mean deficit over the antecedents in its orbit."""
+        if chunk.orbit_patch is None:
+            n = len(chunk.orbit_seen)
+            mean = [(k / n, v / n) for k, v in chunk.orbit]
+            rank = self.rank or max(t.shape[0] for t in chunk.canonical[0])
+            chunk.orbit_patch = kp.build_patch(mean, [(rank, rank)] * len(mean), "svd", storage=self.storage)
+            self._stats.patch_bytes += chunk.orbit_patch.nbytes
+        return chunk.orbit_patch
 
     def _prepare(self, content: Any) -> tuple[ChunkInput, ChunkKey]:
         """Model inputs and content key of a chunk; the key covers what fixes its canonical KV

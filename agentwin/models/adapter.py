@@ -197,6 +197,13 @@ class KameraModel:
         with torch.no_grad():
             return self.model(use_cache=False, **self.reference_inputs(parts))
 
+    def prefill_kv(self, parts: Sequence[ChunkInput]) -> list[LayerKV]:
+        """Token-major KV of a plain forward over the whole sequence of `parts` (positions by the
+        model's own rules): every chunk's KV conditioned on the chunks before it."""
+        with torch.no_grad():
+            out = self.model(use_cache=True, **self.reference_inputs(parts))
+        return [(k.clone(), v.clone()) for k, v in extract_kv(out.cache, self.layout)]
+
     def reference_positions(self, parts: Sequence[ChunkInput]) -> torch.Tensor:
         """`[3, T]` (M-RoPE) positions the model itself assigns to the whole sequence of `parts`."""
         return rope_positions(self.model, parts)[0]

@@ -5,8 +5,10 @@ Four chunks of a generated case are appended ([A, B, E1, E2]); then, from that s
 - evict: B evicted (the chunks after it lose part of their antecedent);
 - reorder: [A, E2, B, E1];
 - slide: a fifth chunk appended into a budget that forces A out (survivors move back).
-Each is measured with blind reuse (`patch="none"`), rank-16 origin patches and exact patches
-(`rank=None`), as mean KL over the case's questions against a re-prefill of `input_ids(query)`.
+Each is measured with blind reuse (`patch="none"`), rank-16 origin patches, rank-16 orbit patches
+(`patch="orbit"`, `fit_orbit` over 6 orders of the four chunks after appending them) and exact
+patches (`rank=None`), as mean KL over the case's questions against a re-prefill of
+`input_ids(query)`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 SCENARIOS = ("append", "recall", "evict", "reorder", "slide")
-POLICIES = (("blind", "none", 16), ("origin r16", "origin", 16), ("exact", "origin", None))
+POLICIES = (("blind", "none", 16), ("origin r16", "origin", 16), ("orbit r16", "orbit", 16),
+            ("exact", "origin", None))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,8 @@ def _scenario(km: Any, case: Any, name: str, policy: str, rank: int | None) -> t
     budget = sum(sizes) + (0 if name == "slide" else 4096)
     window = Window(km, budget_tokens=budget, patch=policy, rank=rank)
     a, b, e1, e2 = [window.append(t) for t in texts]
+    if policy == "orbit":
+        window.fit_orbit(orders=6, seed=0)
     steps: dict[str, Callable[[], None]] = {
         "append": lambda: None,
         "recall": lambda: (window.evict(b), window.recall(b)),

@@ -2,9 +2,10 @@
 the trainer of the tiny Llama-architecture model that solves it.
 
 The task (ordinal coreference):
-    A:  "members : E5 , E12 , E3 ."                      (2-6 distinct entities, in order)
-    B:  "it owns o4 . then rain came . it owns o9 . it owns o1 ."
-        the k-th "it" of B means A's k-th entity; filler sentences sit between the claims
+    A:  "members : E5 , E12 , E3 ."          (MIN_MEMBERS..MAX_MEMBERS distinct entities, in order)
+    B:  "it owns o4 . it owns o9 . it owns o1 ."
+        the k-th "it" of B means A's k-th entity (with MAX_FILLERS > 0, filler sentences such as
+        "then rain came ." sit between the claims; the shipped model is trained without them)
     Q:  "what does E12 own ?"   answer: "o9"
 B never names an entity, so which entity owns which object is only defined by B read after A.
 With full context the model can bind each "it" while it reads B (B's keys and values then carry
@@ -40,10 +41,10 @@ import torch
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "agentwin" / "models" / "data" / "binding"
 
-NUM_ENTITIES = 24
-NUM_OBJECTS = 24
-MIN_MEMBERS, MAX_MEMBERS = 2, 6
-MAX_FILLERS = 2  # filler sentences before each claim: 0..MAX_FILLERS
+NUM_ENTITIES = 16
+NUM_OBJECTS = 16
+MIN_MEMBERS, MAX_MEMBERS = 2, 5
+MAX_FILLERS = 0  # filler sentences before each claim: 0..MAX_FILLERS (0: none)
 AUX_SHARE = 0.5  # share of training sequences where B restates the entity after each "it"
 TRAIN_QUESTIONS = 3  # questions per training sequence (evaluation items ask one)
 
@@ -298,8 +299,8 @@ def accuracy_blind(model: Any, tok: BindingTokenizer, items: Sequence[Item]) -> 
 
 # ---- training --------------------------------------------------------------------------------
 
-TRAIN_DEFAULTS = dict(seed=0, steps=6000, batch_size=64, lr=2e-3, warmup=200, weight_decay=0.01,
-                      max_minutes=55.0, eval_every=250)
+TRAIN_DEFAULTS = dict(seed=0, steps=5000, batch_size=32, lr=2e-3, warmup=200, weight_decay=0.01,
+                      max_minutes=45.0, eval_every=250)
 
 
 def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: int = 64, lr: float = 2e-3,

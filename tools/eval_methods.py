@@ -252,7 +252,7 @@ class Context:
     cap: Captured                          # decoder inputs of [context] (the first query's forward)
     full_kv: list[LayerKV]                 # full-prefill KV of the context
     canonical: list[list[LayerKV]]         # per chunk, encoded alone, chunk-local frame
-    reference: list[torch.Tensor]          # per query, the last logits of the full forward
+    reference: list[torch.Tensor]          # per query, its last logits after the full-prefill KV
     query_pos: list[torch.Tensor]          # per query, its position ids as the full forward used
     reference_ids: list[torch.Tensor]      # per query, greedy continuation of the full forward
     prefill_s: float                       # time of one prefill of the context (no query)
@@ -287,13 +287,10 @@ def build_context(model: Any, chunks: Sequence[Chunk], queries: Sequence[torch.T
     canonical = [[(k.clone(), v.clone()) for k, v in extract_kv(_forward_chunk(model, c).cache, layout)] for c in chunks]
     reference, query_pos, reference_ids = [], [], []
     for q in queries:
-        withq = _join(model, [*chunks, text_chunk(q)])
-        qpos = withq.positions[..., s:]
-        with torch.no_grad():
-            logits = model(input_ids=withq.ids[None], position_ids=_pos_ids(withq.positions), use_cache=False,
-                           **{k: (v.to(next(model.parameters()).dtype) if k == "pixel_values" else v)
-                              for k, v in withq.mm.items()}).logits[0, -1]
-        reference.append(logits.float())
+        # The re-prefill: the query read after the context's full-prefill KV, at the positions a
+        # single forward of [context, query] gives it.
+        qpos = _join(model, [*chunks, text_chunk(q)]).positions[..., s:]
+        reference.append(query_logits(model, layout, full_kv, q, qpos))
         query_pos.append(qpos)
         reference_ids.append(greedy_ids(model, layout, full_kv, q, qpos, greedy) if greedy else torch.zeros(0, dtype=torch.long))
     return Context(model, list(chunks), list(queries), bounds, shifts, cap, full_kv, canonical, reference,

@@ -1,0 +1,98 @@
+"""The binding task and its model: the generator binds the k-th "it" of B to A's k-th entity, the
+tokenizer is what KameraModel expects, a short training run lowers the loss, and the shipped
+checkpoint loads and reaches its recorded held-out accuracy (with blind reuse visibly lower)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tools import binding as bd
+
+
+def test_tokenizer_round_trip_and_errors():
+    tok = bd.BindingTokenizer()
+    text = "members : E3 , E7 . it owns o2 . what does E7 own ?"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text
+    assert tok(text).input_ids[0] == bd.BOS and tok(text).input_ids[1:] == ids
+    with pytest.raises(ValueError, match="not in the binding vocabulary"):
+        tok.encode("members : Zed")
+    assert len(tok) == len(bd.VOCAB)
+
+
+def test_kamera_model_wraps_the_tokenizer():
+    from agentwin.models.adapter import KameraModel
+
+    model = bd.new_model(0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
+    km = KameraModel(model, bd.BindingTokenizer(), name="binding")
+    assert km.tokenize("it owns o3 .").tolist() == bd.BindingTokenizer().encode("it owns o3 .")
+
+
+def test_items_bind_the_kth_it_to_the_kth_entity():
+    rng = random.Random(5)
+    for _ in range(50):
+        item = bd.make_item(rng, num_questions=3)
+        words = item.b.split()
+        owned = [words[i + 2] for i, w in enumerate(words) if w == "it"]
+        assert owned == list(item.owned) and not any(e in words for e in item.members)
+        assert item.a.split()[2::2] == list(item.members)
+        for q, ans in zip(item.questions, item.answers):
+            entity = q.split()[2]
+            assert ans == item.owned[item.members.index(entity)]
+    aux = bd.make_item(random.Random(1), aux=True)
+    words = aux.b.split()
+    assert [words[i + 1] for i, w in enumerate(words) if w == "it"] == list(aux.members)
+
+
+def test_training_labels_cover_answers_and_auxiliary_entities_only():
+    tok = bd.BindingTokenizer()
+    for seed in range(20):
+        ids, labels = bd.training_sequence(random.Random(seed), tok)
+        assert len(ids) == len(labels)
+        words = tok.decode(ids).split()
+        for i, lab in enumerate(labels):
+            if lab == -100:
+                continue
+            assert lab == ids[i]
+            assert words[i - 1] == "?" or (words[i - 1] == "it" and words[i] in bd.ENTITIES)
+
+
+def test_eval_items_are_seeded_and_held_out():
+    a, b = bd.eval_items(30), bd.eval_items(30)
+    assert a == b and a != bd.eval_items(30, seed=10_001)
+    train = {bd.make_item(random.Random(s * 1_000_003 + step), num_questions=1).a for s in (0,) for step in range(200)}
+    assert len(train) > 150  # training draws are varied; evaluation uses its own stream
+
+
+def test_short_training_run_lowers_the_loss(tmp_path):
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+    record = bd.train(tmp_path, seed=0, steps=40, batch_size=16, lr=3e-3, warmup=5, eval_every=20,
+                      log=lambda *_: None, threads=1, model_over=small)
+    losses = [row["loss"] for row in record["training"]["history"]]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.25
+    model, tok = bd.load(tmp_path)
+    assert model.config.num_hidden_layers == 2 and isinstance(tok, bd.BindingTokenizer)
+    assert json.loads((tmp_path / "binding.json").read_text())["training"]["steps_done"] == 40
+
+
+def test_load_refuses_a_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no binding checkpoint"):
+        bd.load(tmp_path)
+
+
+def test_shipped_checkpoint_reaches_its_recorded_accuracy():
+    desc = json.loads((bd.CHECKPOINT_DIR / "binding.json").read_text())
+    recorded = desc["eval"]
+    assert recorded["items"] >= 1000
+    model, tok = bd.load()
+    assert (bd.CHECKPOINT_DIR / "model.safetensors").stat().st_size < 8 * 2**20
+    items = bd.eval_items(1000)[:300]  # a sample of the recorded held-out set
+    full = bd.accuracy_full(model, tok, items)
+    # 300 items: the binomial standard error is at most 0.029; allow 3 of them.
+    assert full >= recorded["full_context_acc"] - 0.087
+    blind = bd.accuracy_blind(model, tok, items[:150])
+    assert blind <= full - 0.1, "blind reuse must visibly lose accuracy on the binding task"

@@ -538,6 +538,7 @@ class Window:
     def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
         """Placed KV of `order` (default: the window) and its span in position units (where the
         next chunk or the query starts; the token count for text)."""
+        t0 = time.perf_counter()
         order = self._order if order is None else list(order)
         parts, start = [], 0
         for index, cid in enumerate(order):
@@ -556,4 +557,5 @@ class Window:
                     self._stats.prefill_tokens_avoided += int(chunk.ids.numel())
             parts.append(kv)
             start += self.km.span(chunk.inputs)
+        self._stats.seconds["materialize"] += time.perf_counter() - t0
         return (concat_kv(*parts) if parts else []), start

@@ -7,6 +7,7 @@
     agentwin video FILE --question Q        long-video loop (a vision-language model)
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
+    agentwin bench recall --json FILE       recall to first token vs re-prefill (SmolLM2 text, 64-frame video)
     agentwin bench window --json FILE       window operations: blind vs rank-16 vs exact patches
     agentwin bench eval [--quick]           every reuse method on one harness; writes docs/RESULTS.md
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
@@ -31,7 +32,7 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
-    from tools import agents_cli, bench_eval, bench_patches, bench_relocate, bench_window, demo, diagnose, relocation_demo
+    from tools import agents_cli, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(kinds, "relocate", bench_relocate, "CPU relocation throughput as a ratio to a plain copy")
     _command(kinds, "patches", bench_patches, "conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)")
     _command(kinds, "eval", bench_eval, "Kamera vs blind, CacheBlend, EPIC, VLCache: accuracy and KL per byte and per compute (docs/RESULTS.md)")
+    _command(kinds, "recall", bench_recall, "time from recall of an evicted chunk to the first token vs re-prefill and blind reuse")
     _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")
     _command(sub, "diagnose", diagnose, "the deficit of chunk B after chunk A, per layer, and what patches recover")
     return parser

@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     if args.quick:
-        segment_tokens, n_frames, frame_tokens, text_layers, vision_layers = 768, 16, 64, 2, 2
+        segment_tokens, n_frames, frame_tokens, text_layers, vision_layers = 768, 16, 128, 2, 2
     else:
         segment_tokens, n_frames, frame_tokens = args.segment_tokens, args.frames, args.frame_tokens
         text_layers, vision_layers = args.text_layers, args.vision_layers

@@ -21,8 +21,8 @@ import re
 from typing import Any, Iterable
 
 LOOP_ACTIONS = {
-    "recall": '{"step": N}, {"query": "..."} or {"time": SECONDS} bring an earlier observation back into view '
-              '(by step, by similarity to the query, or the one covering that second)',
+    "recall": '{"step": N} bring the observation of step N back into view (or "query": "..." for the closest '
+              'one, "time": SECONDS for the one covering that second)',
     "answer": '{"text": "..."} finish with this answer',
 }
 EXAMPLE = '{"action": "answer", "text": "..."}'
@@ -130,8 +130,16 @@ def retry_message(error: Exception | str) -> str:
 
 
 def describe_actions(env_actions: dict[str, str]) -> str:
-    """The action list for the prompt: the environment's actions, then the loop's own."""
+    """The action list for the prompt, one JSON example per line: the environment's actions, then
+    the loop's own. A meaning that starts with its arguments (`{"page": N} open page N`) has them
+    merged into the example (`{"action": "goto", "page": N} open page N`)."""
     lines = []
     for name, meaning in {**env_actions, **LOOP_ACTIONS}.items():
-        lines.append(f"- {name}: {meaning}")
+        meaning = meaning.strip()
+        args = ""
+        if meaning.startswith("{") and "}" in meaning:
+            inner, meaning = meaning[1:meaning.index("}")].strip(), meaning[meaning.index("}") + 1:]
+            args = f", {inner}" if inner else ""
+            meaning = meaning.strip().lstrip("-:").strip()
+        lines.append(f'- {{"action": "{name}"{args}}} {meaning}'.rstrip())
     return "\n".join(lines)

@@ -58,12 +58,19 @@ class ScriptedDecider:
 
 
 class WindowDecider:
-    """The window's model, greedy: `window.generate(prompt, max_new_tokens)`."""
+    """The window's model, greedy: `window.generate(prompt + " " + prime, max_new_tokens)`.
 
-    def __init__(self, max_new_tokens: int = 48) -> None:
+    `prime` starts the reply for the model (default `{"action": "`): small models then complete a
+    JSON action instead of writing prose; the reply returned is `prime` plus what the model wrote.
+    `prime=""` leaves the reply entirely to the model."""
+
+    def __init__(self, max_new_tokens: int = 48, prime: str = '{"action": "') -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        self.max_new_tokens = max_new_tokens
+        if not isinstance(prime, str):
+            raise TypeError(f"prime must be a str, got {type(prime).__name__}")
+        self.max_new_tokens, self.prime = max_new_tokens, prime
 
     def decide(self, window: Any, prompt: str) -> str:
-        return window.generate(prompt, max_new_tokens=self.max_new_tokens)
+        query = f"{prompt} {self.prime}" if self.prime else prompt
+        return self.prime + window.generate(query, max_new_tokens=self.max_new_tokens)

@@ -53,7 +53,11 @@ def test_retry_message_quotes_the_error_and_shows_an_example():
     assert parse_action(message) == {"action": "answer", "text": "..."}  # its example parses
 
 
-def test_describe_actions_lists_env_and_loop_actions():
-    text = describe_actions({"next": "go on"})
-    assert text.splitlines()[0] == "- next: go on"
-    assert "- recall:" in text and "- answer:" in text
+def test_describe_actions_gives_one_json_example_per_action():
+    text = describe_actions({"next": "go on", "goto": '{"page": N} open page N', "seek": '{"time": S} - that second',
+                             "stay": "{} - nothing"})
+    lines = text.splitlines()
+    assert lines[:4] == ['- {"action": "next"} go on', '- {"action": "goto", "page": N} open page N',
+                         '- {"action": "seek", "time": S} that second', '- {"action": "stay"} nothing']
+    assert lines[4].startswith('- {"action": "recall", "step": N} ') and lines[5].startswith('- {"action": "answer", "text": "..."}')
+    assert parse_action(lines[0]) == {"action": "next"}

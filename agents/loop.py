@@ -71,6 +71,8 @@ class RunSummary:
     content_hits: int  # observations seen before (recalled or still in view), not encoded again
     store_hits: int  # chunks whose canonical KV came from the store (no encode)
     encode_tokens_avoided: int
+    encoder_calls: int  # vision-tower runs (images and frames)
+    encoder_hits: int  # vision-tower outputs served from the store instead
     recalled_tokens: int
     prefill_tokens_avoided: int
     conditioned_passes: int
@@ -92,6 +94,7 @@ class RunSummary:
             ("evictions / recalls", f"{self.evictions} / {self.recalls}"),
             ("reuse hits", f"{self.content_hits} content-key hits, {self.store_hits} store hits"),
             ("encode avoided", f"{self.encode_tokens_avoided} tokens from the store + {self.recalled_tokens} recalled"),
+            ("vision encoder", f"{self.encoder_calls} runs, {self.encoder_hits} served from the store"),
             ("prefill avoided", f"{self.prefill_tokens_avoided} tokens placed by relocation "
                                 f"({self.conditioned_passes} conditioned passes run)"),
             ("time saved (est.)", "n/a" if self.time_saved_s is None else
@@ -101,6 +104,8 @@ class RunSummary:
             ("window", f"{self.window_tokens} of {self.budget_tokens} tokens"),
             ("wall time", f"{self.wall_s:.1f} s"),
         ]
+        if not (self.encoder_calls or self.encoder_hits):
+            rows = [row for row in rows if row[0] != "vision encoder"]
         if self.kl_at_recalls:
             rows.append(("KL at recalls", ", ".join(f"{k:.2e}" for k in self.kl_at_recalls) + " nats"))
         rows.append(("answer", repr(self.answer) if self.answer is not None else "none"))
@@ -412,6 +417,7 @@ class AgentLoop:
             appended=self._counts["appended"], evictions=stats.evictions, recalls=stats.recalls,
             content_hits=self._counts["content_hits"], store_hits=stats.canonical_hits,
             encode_tokens_avoided=stats.encode_tokens_avoided, recalled_tokens=self._counts["recalled_tokens"],
+            encoder_calls=int(getattr(stats, "encoder_calls", 0)), encoder_hits=int(getattr(stats, "encoder_hits", 0)),
             prefill_tokens_avoided=stats.prefill_tokens_avoided, conditioned_passes=stats.conditioned_passes,
             malformed_replies=self._counts["malformed"], refused_actions=self._counts["refused"],
             prefill_s_per_token=per_token,

@@ -239,3 +239,37 @@ def test_recall_by_query_and_by_time(tiny, pdf):
     assert "no earlier observation covers 99 s" in r[6].error
     assert 'recall needs "step", "query" or "time"' in r[7].error
     assert result.summary.recalls == 2
+
+
+def test_vlm_page_images_are_recalled_and_then_store_hits(tmp_path):
+    """A vision-language model sees each page as an Image chunk plus its text. A revisited page
+    runs no vision tower and no encode (recall), within 1e-4 of a re-prefill with exact patches;
+    a second session on the same store encodes nothing at all (store hits, counted)."""
+    import agentwin
+    from agentwin.store import ChunkStore
+
+    km = KameraModel.from_pretrained("tiny-qwen2.5-vl")
+    assert km.is_vlm and hasattr(agentwin, "Image")
+    pdf = write_text_pdf(tmp_path / "p.pdf", PAGES[:3])
+    store = ChunkStore(tmp_path / "store", model_fingerprint=km.fingerprint)
+    script = [{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1}, {"action": "answer", "text": "-"}]
+
+    def session():
+        window = Window(km, budget_tokens=200, patch="origin", rank=None, store=store)
+        runs = []
+        with PdfEnv(pdf, render=True, max_pixels=64 * 28 * 28) as env:
+            result = AgentLoop(env, window, ScriptedDecider(script), "Who keeps the tide log?", fidelity_query=QUERY,
+                               on_step=lambda r: runs.append(window.stats().encoder_calls)).run()
+        return result, runs
+
+    first, runs = session()
+    r = first.records
+    assert [type(c).__name__ for c in observation_chunks(PdfEnv(pdf, render=True)._observe(1), km)] == ["Image", "Text"]
+    assert [x.event for x in r] == ["append", "append", "append", "recall", "answer"]
+    assert len(r[0].chunks) == 2 and r[3].chunks == r[0].chunks
+    assert runs[:3] == [1, 2, 3] and runs[3] == 3  # one tower run per new page, none at the revisit
+    assert abs(r[3].kl) < 1e-4 and first.summary.content_hits == 1 and first.summary.encoder_calls == 3
+    second, runs = session()
+    assert second.summary.encoder_calls == 0 and second.summary.store_hits == 6  # 3 pages x (image, text)
+    assert second.summary.encode_tokens_avoided > 0
+    assert second.summary.answer == "-" and abs(second.records[3].kl) < 1e-4

@@ -48,11 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--binding-items", type=int, default=400, help="held-out items per seed (default 400)")
     parser.add_argument("--binding-seeds", type=int, default=3, help="held-out item sets (default 3)")
     parser.add_argument("--smollm2-seeds", type=int, default=3, help="generated SmolLM2 cases (default 3)")
+    parser.add_argument("--smollm2-queries", type=int, default=6, help="questions per SmolLM2 case (default 6)")
     parser.add_argument("--vl-seeds", type=int, default=3, help="multimodal layouts per model (default 3)")
     parser.add_argument("--binding-checkpoint", metavar="DIR", default=None,
                         help="binding checkpoint directory (default: the shipped agentwin/models/data/binding)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("binding", "smollm2", "multimodal"),
-                        help="workloads to leave out")
+                        help="workloads not to run; their figures from an earlier run in the same results "
+                             "directory (results/eval_<name>.json) stay on the page, marked as such")
 
 
 # ---- running the methods on one context ------------------------------------------------------
@@ -68,19 +70,17 @@ def method_plan(budgets: Sequence[float], orbit: bool) -> list[tuple[str, str, A
     return plan
 
 
-def run_context(ctx, prefixes: Sequence[Sequence], plan, greedy: int, orbit_members: Sequence[int] | None = None,
-                orbit_head: Sequence | None = None, extra: Callable | None = None) -> list[dict]:
-    """Every method of `plan` on one context. prefixes[i]: the chunks chunk i's origin patch is
-    conditioned on (its antecedent when it was appended); orbit_members: context indices of the
-    reordered set, orbit_head: the chunks read before it."""
+def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence[int] | None = None,
+                orbit_head: Sequence | None = None) -> list[dict]:
+    """Every method of `plan` on one context. conds[i]: chunk i's `Conditioning` (its deficit in
+    the context its origin patch is fitted on: its antecedent when it was appended; conds[0] is
+    unused); orbit_members: context indices of the reordered set, orbit_head: the chunks read
+    before it."""
     from tools import eval_methods as em
 
     model = ctx.model
-    conds: dict[int, Any] = {}
 
     def cond(i: int):
-        if i not in conds:
-            conds[i] = em.conditioning(model, prefixes[i], ctx.chunks[i], ctx.canonical[i])
         return conds[i]
 
     fits: dict[tuple[str, int], Any] = {}
@@ -129,8 +129,6 @@ def run_context(ctx, prefixes: Sequence[Sequence], plan, greedy: int, orbit_memb
                 build += sum(cond(i).seconds for i in reused)
             res = em.method_patched(ctx, method, setting, patches, build)
         row = em.score(ctx, res, greedy)
-        if extra is not None:
-            row.update(extra(ctx, res))
         row["budget"] = p if method.startswith("kamera") else None
         rows.append(row)
     return rows
@@ -156,7 +154,8 @@ def binding_workload(items_per_seed: int, seeds: int, budgets: Sequence[float], 
         for n, item in enumerate(items):
             a, b, q, ans = bd.item_ids(tok, item)
             ctx = em.build_context(model, [em.text_chunk(a), em.text_chunk(b)], [q])
-            for row in run_context(ctx, [[], [ctx.chunks[0]]], plan, 0):
+            conds = [None, *em.conditionings(model, ctx.chunks, ctx.canonical)]
+            for row in run_context(ctx, conds, plan, 0):
                 row.pop("kls")
                 row["correct"] = float(row.pop("argmax")[0] == ans)
                 rows.append({"seed": seed, "item": n, **row})
@@ -202,8 +201,13 @@ def summarise_binding(rows: list[dict]) -> list[dict]:
 
 # ---- workload 2: SmolLM2 fidelity ---------------------------------------------------------------
 
-def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_queries: int | None) -> list[dict]:
+def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_queries: int | None,
+                  cache: dict | None = None) -> list[dict]:
+    """One trace of one case. `cache` (shared by the traces of a case) keeps the conditioned pass
+    over the appended chunks [A, B, E1, E2]: every origin patch is fitted on it."""
     from tools import eval_methods as em
+
+    cache = {} if cache is None else cache
 
     def enc(text: str, special: bool = False) -> torch.Tensor:
         return torch.tensor(tokenizer(text, add_special_tokens=special).input_ids)
@@ -212,10 +216,6 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
     b, e1, e2 = (em.text_chunk(enc(" " + t)) for t in (case.b, *case.extra_chunks))
     queries = [enc(q) for q in case.queries[:max_queries]]
     appended = [a, b, e1, e2]
-
-    def prefix_of(chunk) -> list:  # what chunk was conditioned on when appended
-        i = next(j for j, c in enumerate(appended) if c is chunk)
-        return appended[:i]
 
     orbit_members = orbit_head = None
     if trace == "recall":
@@ -228,8 +228,13 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
     else:
         raise ValueError(f"unknown trace {trace!r}")
     ctx = em.build_context(model, final, queries, greedy=greedy)
-    prefixes = [prefix_of(c) for c in final]
-    rows = run_context(ctx, prefixes, method_plan(budgets, orbit=trace == "reorder"), greedy,
+    if "conds" not in cache:
+        canon = {id(c): k for c, k in zip(final, ctx.canonical)}
+        canonical = [canon[id(c)] if id(c) in canon else em.encode_alone(model, c) for c in appended]
+        cache["conds"] = [None, *em.conditionings(model, appended, canonical)]
+    by_chunk = {id(c): cache["conds"][i] for i, c in enumerate(appended)}
+    conds = [by_chunk[id(c)] for c in final]
+    rows = run_context(ctx, conds, method_plan(budgets, orbit=trace == "reorder"), greedy,
                        orbit_members=orbit_members, orbit_head=orbit_head)
     for r in rows:
         r["trace"] = trace
@@ -246,8 +251,9 @@ def smollm2_workload(seeds: int, budgets, greedy: int, max_queries: int | None, 
     t0 = time.perf_counter()
     for seed in range(seeds):
         case = make_case(seed)
+        cache: dict = {}
         for trace in traces:
-            for r in smollm2_trace(model, tokenizer, case, trace, budgets, greedy, max_queries):
+            for r in smollm2_trace(model, tokenizer, case, trace, budgets, greedy, max_queries, cache):
                 rows.append({"seed": seed, **r})
         log(f"  smollm2 seed {seed} done ({time.perf_counter() - t0:.0f} s)")
     return {"rows": rows, "summary": summarise_kl(rows, ("trace",)), "seeds": seeds, "greedy_tokens": greedy}
@@ -293,8 +299,8 @@ def multimodal_workload(seeds: int, budgets, log=print) -> dict:
                       em.random_text_chunk(model, base + 5, 16)]
             queries = [torch.randint(3, 240, (6,), generator=torch.Generator().manual_seed(base + 6 + k)) for k in range(2)]
             ctx = em.build_context(model, chunks, queries)
-            prefixes = [chunks[:i] for i in range(len(chunks))]
-            for r in run_context(ctx, prefixes, method_plan(budgets, orbit=False), 0):
+            conds = [None, *em.conditionings(model, chunks, ctx.canonical)]
+            for r in run_context(ctx, conds, method_plan(budgets, orbit=False), 0):
                 rows.append({"model": name, "seed": seed, **r})
         log(f"  {name}: {seeds} layouts done")
     return {"rows": rows, "summary": summarise_kl(rows, ("model",)), "seeds": seeds}
@@ -332,7 +338,7 @@ def binding_section(res: dict) -> list[str]:
         f"{res['model']['head_dim']}, {res['parameters']:,} parameters; trained {res['training']['steps_done']} steps "
         f"in {res['training']['seconds'] / 60:.1f} min on {res['training']['torch_threads']} CPU thread(s)). "
         f"Task: A lists {res['generator']['members'][0]}–{res['generator']['members'][1]} entities, B says \"it owns o_k\" for each in order (the k-th \"it\" is A's k-th "
-        f"entity), the question names an entity. {res['seeds']} held-out sets × {res['items_per_seed']} items "
+        f"entity), the question (\"so E12 owns\") names an entity. {res['seeds']} held-out sets × {res['items_per_seed']} items "
         f"= {full['items']} items per method; accuracy is argmax over the whole vocabulary.",
         "",
         f"Full context {full['acc']:.3f}, blind reuse {blind['acc']:.3f}. Gap recovered = "
@@ -469,7 +475,7 @@ def _plot(panels: list[tuple[str, list[dict], str, str, bool]], path: Path, titl
 # ---- the command ---------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("binding_items", "binding_seeds", "smollm2_seeds", "vl_seeds"):
+    for name in ("binding_items", "binding_seeds", "smollm2_seeds", "smollm2_queries", "vl_seeds"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
@@ -479,17 +485,31 @@ def run(args: argparse.Namespace) -> int:
         b_budgets, k_budgets, max_q, greedy = (0.06, 0.25), (0.06, 0.12), 2, GREEDY
     else:
         b_items, b_seeds, s_seeds, vl_seeds = args.binding_items, args.binding_seeds, args.smollm2_seeds, args.vl_seeds
-        b_budgets, k_budgets, max_q, greedy = BINDING_BUDGETS, KAMERA_BUDGETS, None, GREEDY
+        b_budgets, k_budgets, max_q, greedy = BINDING_BUDGETS, KAMERA_BUDGETS, args.smollm2_queries, GREEDY
     root = Path(args.results) if args.results else (Path(tempfile.mkdtemp(prefix="agentwin-eval-")) if args.quick
                                                    else Path(__file__).resolve().parent.parent / "docs")
     out_dir = root / "results"
     log = lambda s: print(s, flush=True)
     binding = smol = mm = None
     sections: list[list[str]] = []
+    earlier: list[str] = []
+
+    def previous(name: str) -> dict | None:
+        path = out_dir / f"eval_{name}.json"
+        if path.is_file():
+            earlier.append(name)
+            return json.loads(path.read_text())
+        return None
+
     if "binding" not in args.skip:
         log("binding workload ...")
+        t0 = time.perf_counter()
         binding = binding_workload(b_items, b_seeds, b_budgets, log, args.binding_checkpoint)
+        binding["minutes"] = (time.perf_counter() - t0) / 60
         _dump(out_dir / "eval_binding.json", {k: v for k, v in binding.items() if k != "rows"})
+    else:
+        binding = previous("binding")
+    if binding is not None:
         s = [r for r in binding["summary"] if r["method"] != "full"]
         _plot([("accuracy vs extra bytes", s, "bytes_frac", "acc", False),
                ("accuracy vs extra compute", s, "compute_frac", "acc", False)],
@@ -498,8 +518,13 @@ def run(args: argparse.Namespace) -> int:
         sections.append(binding_section(binding) + ["![binding accuracy](results/eval_binding.png)", ""])
     if "smollm2" not in args.skip:
         log("smollm2 workload ...")
+        t0 = time.perf_counter()
         smol = smollm2_workload(s_seeds, k_budgets, greedy, max_q, log=log)
+        smol["minutes"] = (time.perf_counter() - t0) / 60
         _dump(out_dir / "eval_smollm2.json", smol)
+    else:
+        smol = previous("smollm2")
+    if smol is not None:
         panels = []
         for trace in TRACES:
             rows = [r for r in smol["summary"] if r["trace"] == trace and r["method"] != "full"]
@@ -513,8 +538,13 @@ def run(args: argparse.Namespace) -> int:
                                                  "![KL vs compute](results/eval_smollm2_compute.png)", ""])
     if "multimodal" not in args.skip:
         log("multimodal workload ...")
+        t0 = time.perf_counter()
         mm = multimodal_workload(vl_seeds, k_budgets, log)
+        mm["minutes"] = (time.perf_counter() - t0) / 60
         _dump(out_dir / "eval_multimodal.json", mm)
+    else:
+        mm = previous("multimodal")
+    if mm is not None:
         panels = []
         for name in VL_MODELS:
             rows = [r for r in mm["summary"] if r["model"] == name and r["method"] != "full"]
@@ -524,8 +554,11 @@ def run(args: argparse.Namespace) -> int:
         sections.append(multimodal_section(mm) + ["![multimodal KL](results/eval_multimodal.png)", ""])
     minutes = (time.perf_counter() - t_start) / 60
     command = "agentwin bench eval" + (" --quick" if args.quick else "")
+    parts = [f"{name} {w['minutes']:.1f} min" for name, w in (("binding", binding), ("SmolLM2", smol), ("multimodal", mm))
+             if w is not None and "minutes" in w]
     header = ["# Evaluation: Kamera against blind reuse and token-recompute methods", "",
-              f"Generated by `{command}` in {minutes:.1f} min on {os.cpu_count()} CPU core(s), torch "
+              f"Generated by `{command}` in {minutes:.1f} min ({', '.join(parts)}, loading included) on "
+              f"{os.cpu_count()} CPU core(s), torch "
               f"{torch.__version__} (the page, the JSON and the plots under `results/eval_*` are rewritten "
               "by every run). Methods and what each costs are defined in `tools/eval_methods.py`; extra "
               "bytes are patch storage (fp16 factors) as a share of the reused chunks' fp16 KV; extra "
@@ -535,6 +568,10 @@ def run(args: argparse.Namespace) -> int:
               "single selection, not narrowed layer by layer), EPIC-style LegoLink k = 16 and 32 (first "
               "k tokens of each reused chunk, every layer), VLCache-style r = 5% (first 5% of each reused "
               "image/frame chunk; of each reused chunk on text-only workloads).", ""]
+    if earlier:
+        header += [f"Figures of {', '.join(earlier)} come from an earlier run into the same directory "
+                   f"(this run skipped {'it' if len(earlier) == 1 else 'them'}); "
+                   f"{'its' if len(earlier) == 1 else 'their'} own JSON records the settings.", ""]
     if args.quick:
         header += ["**Quick mode**: a few items per workload, for checking the harness; the figures are "
                    "not the results.", ""]

@@ -6,11 +6,12 @@ The task (ordinal coreference):
     B:  "it owns o4 . it owns o9 . it owns o1 ."
         the k-th "it" of B means A's k-th entity (with MAX_FILLERS > 0, filler sentences such as
         "then rain came ." sit between the claims; the shipped model is trained without them)
-    Q:  "what does E12 own ?"   answer: "o9"
+    Q:  "so E12 owns"   answer: "o9"
 B never names an entity, so which entity owns which object is only defined by B read after A.
 With full context the model can bind each "it" while it reads B (B's keys and values then carry
 the entity); a B encoded alone cannot, so blind reuse has to lose accuracy unless the question
-redoes both hops (find E12's ordinal in A, then the matching "it" in B) itself.
+redoes both hops (find E12's ordinal in A, then the matching "it" in B) itself. The question
+ends in "E12 owns", so with the entity bound to its "it" the answer is one induction step away.
 
 Training uses a next-token loss on the answers only, plus, on a share of the sequences
 (`AUX_SHARE`), an auxiliary variant in which B restates the entity after each "it"
@@ -46,10 +47,10 @@ NUM_OBJECTS = 16
 MIN_MEMBERS, MAX_MEMBERS = 2, 5
 MAX_FILLERS = 0  # filler sentences before each claim: 0..MAX_FILLERS (0: none)
 AUX_SHARE = 0.5  # share of training sequences where B restates the entity after each "it"
-TRAIN_QUESTIONS = 3  # questions per training sequence (evaluation items ask one)
+TRAIN_QUESTIONS = 4  # questions per training sequence (evaluation items ask one)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
-FUNCTION_WORDS = ["members", ":", ",", ".", "it", "owns", "what", "does", "own", "?"]
+FUNCTION_WORDS = ["members", ":", ",", ".", "it", "owns", "so"]
 FILLERS = [
     ("then", "rain", "came"), ("the", "bell", "rang"), ("later", "the", "day", "was", "quiet"),
     ("a", "cart", "passed"), ("the", "wind", "turned"), ("someone", "sang", "outside"),
@@ -140,7 +141,7 @@ def make_item(rng: random.Random, aux: bool = False, num_questions: int = 1) -> 
             parts.append(" ".join(rng.choice(FILLERS)) + " .")
         parts.append(f"it {entity} owns {obj} ." if aux else f"it owns {obj} .")
     asked = rng.sample(range(n), min(num_questions, n))
-    questions = tuple(f"what does {members[k]} own ?" for k in asked)
+    questions = tuple(f"so {members[k]} owns" for k in asked)
     return Item(a, " ".join(parts), questions, tuple(owned[k] for k in asked), tuple(members), tuple(owned))
 
 
@@ -299,8 +300,8 @@ def accuracy_blind(model: Any, tok: BindingTokenizer, items: Sequence[Item]) -> 
 
 # ---- training --------------------------------------------------------------------------------
 
-TRAIN_DEFAULTS = dict(seed=0, steps=5000, batch_size=32, lr=2e-3, warmup=200, weight_decay=0.01,
-                      max_minutes=45.0, eval_every=250)
+TRAIN_DEFAULTS = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, warmup=200, weight_decay=0.01,
+                      max_minutes=40.0, eval_every=250)
 
 
 def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: int = 64, lr: float = 2e-3,
@@ -400,7 +401,56 @@ def _save(model, out, tok, seed, batch_size, lr, warmup, weight_decay, steps, hi
         "vocab": tok.vocab,
     }
     (folder / "binding.json").write_text(json.dumps(record, indent=1))
+    write_readme(folder)
     return record
+
+
+def write_readme(folder: str | os.PathLike) -> None:
+    """README.md of a checkpoint directory, from its binding.json."""
+    folder = Path(folder)
+    d = json.loads((folder / "binding.json").read_text())
+    g, t, m = d["generator"], d["training"], d["model"]
+    last = t["history"][-1] if t["history"] else {}
+    lines = [
+        "# Binding model",
+        "",
+        "A tiny Llama-architecture model (RoPE, GQA) trained on the cross-chunk binding task of",
+        "`tools/binding.py`, for measuring multi-hop accuracy under KV reuse (`agentwin bench eval`).",
+        "",
+        "## Task (ordinal coreference)",
+        "",
+        "    <bos> members : E5 , E12 , E3 .   it owns o4 . it owns o9 . it owns o1 .   so E12 owns  -> o9",
+        "",
+        f"A lists {g['members'][0]}-{g['members'][1]} distinct entities out of {g['num_entities']}; B has one claim per "
+        f"entity, in order, each \"it owns o_k\" with distinct objects out of {g['num_objects']} (the k-th \"it\" is "
+        f"A's k-th entity; up to {g['max_fillers_before_claim']} filler sentences before each claim). The question names "
+        "an entity; the answer is its object. B never names an entity, so only B read after A defines who owns what.",
+        f"Training sequences carry {g['train_questions_per_sequence']} questions with loss on the answers; a share "
+        f"{g['aux_share']} of them restate the entity after each \"it\" (\"it E12 owns o9\") with loss on it.",
+        "",
+        "## Model and training",
+        "",
+        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, MLP {m['intermediate_size']}, "
+        f"{m['num_attention_heads']} query heads / {m['num_key_value_heads']} KV heads × {m['head_dim']}, vocabulary "
+        f"{m['vocab_size']} words, {d['parameters']:,} parameters, tied embeddings.",
+        f"AdamW (lr {t['lr']}, warm-up {t['warmup']}, cosine to 10%, weight decay {t['weight_decay']}), batch "
+        f"{t['batch_size']}, seed {t['seed']}; {t['steps_done']} of {t['planned_steps']} planned steps in "
+        f"{t['seconds'] / 60:.1f} min of wall time on {t['torch_threads']} CPU thread(s) (torch {t['torch']}).",
+        "",
+        f"Reproduce: `python -m tools.binding train --out DIR --seed {t['seed']} --steps {t['planned_steps']} "
+        f"--batch-size {t['batch_size']} --lr {t['lr']}` (batches are drawn from seeded generators; bit-identical "
+        "weights need the same torch build and thread count).",
+    ]
+    if last:
+        lines += ["", f"Last training log: step {last['step']}, loss {last['loss']:.4f}, probe accuracy "
+                  f"(full context, 200 items) {last['probe_acc']:.3f}."]
+    if "eval" in d:
+        e = d["eval"]
+        lines += ["", "## Held-out accuracy", "",
+                  f"{e['items']} held-out items (`eval_items`, seed {e['eval_seed']}): full context "
+                  f"{e['full_context_acc']:.3f}, blind reuse (B encoded alone, relocated, no patch) "
+                  f"{e['blind_reuse_acc']:.3f}. `{e['command']}`"]
+    (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -430,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         desc["eval"] = {"items": args.items, "eval_seed": 10_000, "full_context_acc": full, "blind_reuse_acc": blind,
                         "command": f"python -m tools.binding eval --items {args.items}"}
         path.write_text(json.dumps(desc, indent=1))
+        write_readme(args.path)
     return 0
 
 

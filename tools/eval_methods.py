@@ -235,6 +235,12 @@ def _forward_chunk(model: Any, chunk: Chunk, cache: Any = None, start_pos: torch
         return model(input_ids=chunk.ids[None], position_ids=pos, cache=cache, use_cache=True, **mm)
 
 
+def encode_alone(model: Any, chunk: Chunk) -> list[LayerKV]:
+    """The chunk's canonical KV: encoded alone from position 0 (owned copies)."""
+    layout = kv_layout(model.config)
+    return [(k.clone(), v.clone()) for k, v in extract_kv(_forward_chunk(model, chunk).cache, layout)]
+
+
 def _first_position(pos: torch.Tensor, index: int) -> int:
     return int(pos.reshape(-1, pos.shape[-1])[0, index])
 
@@ -284,7 +290,7 @@ def build_context(model: Any, chunks: Sequence[Chunk], queries: Sequence[torch.T
         k: (v.to(next(model.parameters()).dtype) if k == "pixel_values" else v) for k, v in whole.mm.items()})
     prefill_s = time.perf_counter() - t0
     full_kv = [(k.clone(), v.clone()) for k, v in extract_kv(out.cache, layout)]
-    canonical = [[(k.clone(), v.clone()) for k, v in extract_kv(_forward_chunk(model, c).cache, layout)] for c in chunks]
+    canonical = [encode_alone(model, c) for c in chunks]
     reference, query_pos, reference_ids = [], [], []
     for q in queries:
         # The re-prefill: the query read after the context's full-prefill KV, at the positions a
@@ -450,6 +456,35 @@ def conditioning(model: Any, prefix: Sequence[Chunk], chunk: Chunk, canonical: S
     first = _first_position(whole.positions, start)
     local = relocate_kv(cp.chunk_kv(), specs, layout, -first)
     return Conditioning(kp.deficit(local, canonical), cp.queries, time.perf_counter() - t0)
+
+
+def conditionings(model: Any, chunks: Sequence[Chunk], canonical: Sequence[Sequence[LayerKV]]) -> list[Conditioning]:
+    """`conditioning` of chunks[i] after chunks[:i] for every i ≥ 1, from one conditioned pass over
+    all of them: by causality a chunk's KV and queries in [c0 … cn] are those of [c0 … ci]. The
+    pass's time is split over the chunks by their token counts."""
+    from kamera_core import relocate_keys
+
+    specs, layout = list(rope_specs(model.config)), kv_layout(model.config)
+    whole = _join(model, chunks)
+    start = len(chunks[0])
+    dtype = next(model.parameters()).dtype
+    mm = {k: (v.to(dtype) if k == "pixel_values" else v) for k, v in whole.mm.items()}
+    t0 = time.perf_counter()
+    cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=_pos_ids(whole.positions), **mm)
+    seconds = time.perf_counter() - t0
+    base = _first_position(whole.positions, start)  # cp.queries are rotated back by this
+    out, lo = [], start
+    for i in range(1, len(chunks)):
+        hi = lo + len(chunks[i])
+        first = _first_position(whole.positions, lo)
+        local = relocate_kv([(k[lo:hi], v[lo:hi]) for k, v in cp.kv], specs, layout, -first)
+        queries = [q if layout.family == "mla" else
+                   relocate_keys(q[lo - start:hi - start], spec, base - first, backend="torch")
+                   for q, spec in zip(cp.queries, specs)]
+        out.append(Conditioning(kp.deficit(local, canonical[i]), queries,
+                                seconds * (hi - lo) / (whole.ids.shape[0] - start)))
+        lo = hi
+    return out
 
 
 @dataclass

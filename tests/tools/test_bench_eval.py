@@ -136,6 +136,17 @@ def test_full_rank_kamera_patches_reproduce_the_reprefill(maker):
     assert 0 < alloc["bytes_frac"] <= 0.12 and alloc["kl"] < blind
 
 
+@pytest.mark.parametrize("maker", [lambda: _text_context(), lambda: _vl_context("tiny-qwen2.5-vl")])
+def test_one_conditioned_pass_serves_every_chunk(maker):
+    ctx = maker()
+    shared = em.conditionings(ctx.model, ctx.chunks, ctx.canonical)
+    for i in range(1, len(ctx.chunks)):
+        alone = em.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i])
+        assert _max_diff(shared[i - 1].deltas, alone.deltas) <= 1e-5
+        for q1, q2 in zip(shared[i - 1].queries, alone.queries):
+            assert float((q1 - q2).abs().max()) <= 1e-4 * max(1.0, float(q2.abs().max()))
+
+
 def test_orbit_deltas_average_over_orders():
     ctx = _text_context()
     members = [1, 2]

@@ -15,7 +15,7 @@ from tools import binding as bd
 
 def test_tokenizer_round_trip_and_errors():
     tok = bd.BindingTokenizer()
-    text = "members : E3 , E7 . it owns o2 . what does E7 own ?"
+    text = "members : E3 , E7 . it owns o2 . so E7 owns"
     ids = tok(text, add_special_tokens=False).input_ids
     assert tok.decode(ids) == text
     assert tok(text).input_ids[0] == bd.BOS and tok(text).input_ids[1:] == ids
@@ -41,7 +41,7 @@ def test_items_bind_the_kth_it_to_the_kth_entity():
         assert owned == list(item.owned) and not any(e in words for e in item.members)
         assert item.a.split()[2::2] == list(item.members)
         for q, ans in zip(item.questions, item.answers):
-            entity = q.split()[2]
+            entity = q.split()[1]
             assert ans == item.owned[item.members.index(entity)]
     aux = bd.make_item(random.Random(1), aux=True)
     words = aux.b.split()
@@ -58,7 +58,8 @@ def test_training_labels_cover_answers_and_auxiliary_entities_only():
             if lab == -100:
                 continue
             assert lab == ids[i]
-            assert words[i - 1] == "?" or (words[i - 1] == "it" and words[i] in bd.ENTITIES)
+            answer = words[i - 3] == "so" and words[i - 1] == "owns" and words[i] in bd.OBJECTS
+            assert answer or (words[i - 1] == "it" and words[i] in bd.ENTITIES)
 
 
 def test_eval_items_are_seeded_and_held_out():

@@ -196,6 +196,17 @@ def test_smollm2_revisit_is_exact_and_the_model_decides(smollm2, tmp_path):
     model, tokenizer = smollm2
     km = KameraModel(model, tokenizer, name="smollm2")
     pdf = write_text_pdf(tmp_path / "island.pdf", PAGES[:3])
+    # One thread, as `agentwin demo` runs: exact patches' small eigendecompositions crawl with two
+    # threads on cores other processes share (the test suite's 2-core runner).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _smollm2_session(km, pdf)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _smollm2_session(km, pdf):
     with PdfEnv(pdf) as env:
         budget = _page_tokens(km, env, 1) + _page_tokens(km, env, 2) + 4
         window = Window(km, budget_tokens=budget, patch="origin", rank=None)
@@ -205,14 +216,14 @@ def test_smollm2_revisit_is_exact_and_the_model_decides(smollm2, tmp_path):
                            measure_prefill=False).run()
         assert [r.event for r in result.records] == ["append", "append", "append", "recall", "answer"]
         assert abs(result.records[3].kl) < 1e-4 and result.summary.content_hits == 1
-        decider = WindowDecider(max_new_tokens=24)
+        decider = WindowDecider(max_new_tokens=16)
         model_run = AgentLoop(env, window, decider, "Who keeps the tide log?", max_steps=2,
                               measure_prefill=False).run()
     replies = [r.reply for r in model_run.records[1:]]
-    assert replies and all(isinstance(r, str) for r in replies)
+    assert replies and all(r.startswith('{"action": "') for r in replies)  # the primed reply
     assert model_run.summary.stopped in ("answer", "step limit")
-    for r in model_run.records[1:]:  # each reply was either an action or got a reason
-        assert (r.action is not None) != (r.error is not None) or r.event == "answer"
+    for r in model_run.records[1:]:  # each reply became an action, or the model was told why not
+        assert r.action is not None or r.error.startswith("Your last reply could not be used")
 
 
 def test_recall_by_query_and_by_time(tiny, pdf):

@@ -10,7 +10,7 @@ from agents.base import EnvError, Observation
 from agents.doc import PdfEnv, write_text_pdf
 from agents.loop import AgentLoop, kl_to_reference, observation_chunks
 from agents.model import ScriptedDecider, ScriptExhausted, WindowDecider
-from agentwin import KameraModel, Text, Window
+from agentwin import KameraModel, Window
 
 PAGES = [
     "Harbour. The harbour master is Anja Roth. She keeps the tide log.",
@@ -284,3 +284,19 @@ def test_vlm_page_images_are_recalled_and_then_store_hits(tmp_path):
     assert second.summary.encoder_calls == 0 and second.summary.store_hits == 6  # 3 pages x (image, text)
     assert second.summary.encode_tokens_avoided > 0
     assert second.summary.answer == "-" and abs(second.records[3].kl) < 1e-4
+
+
+def test_fidelity_check_sees_blind_reuse(tiny, pdf):
+    """The KL at a recall is measured, not assumed: blind reuse (no patches) of the same revisit
+    is visibly off a re-prefill, exact patches are not."""
+    kls = {}
+    for patch, rank in (("none", 16), ("origin", None)):
+        with PdfEnv(pdf) as env:
+            budget = _page_tokens(tiny, env, 1) + _page_tokens(tiny, env, 2) + 5
+            window = Window(tiny, budget_tokens=budget, patch=patch, rank=rank)
+            script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
+                                      {"action": "answer", "text": "-"}])
+            result = AgentLoop(env, window, script, "x", fidelity_query=QUERY, measure_prefill=False).run()
+        kls[patch] = result.summary.kl_at_recalls[0]
+        assert kls[patch] == pytest.approx(kl_to_reference(window, QUERY), abs=1e-9)
+    assert abs(kls["origin"]) < 1e-4 and kls["none"] > 100 * max(abs(kls["origin"]), 1e-7)

@@ -34,7 +34,7 @@ from typing import Any, NewType, Sequence, Union
 import torch
 
 from agentwin.models.adapter import ChunkInput, KameraModel
-from agentwin.models.kv import LayerKV, concat_kv, relocate_kv
+from agentwin.models.kv import LayerKV, build_cache_parts, concat_kv, relocate_kv
 from agentwin.models.vision import VisionChunk
 from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
                             tensors_to_patch)
@@ -320,8 +320,9 @@ class Window:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the reused cache."""
         t0 = time.perf_counter()
         ids = self._query_ids(query)
-        kv, length = self._materialize()
-        logits = self.km.query_logits(kv, length, ids)
+        parts, length = self._materialize_parts()
+        cache = build_cache_parts(parts, self.km.model.config, self.km.layout) if parts else None
+        logits = self.km.query_logits(cache, length, ids)
         self._stats.seconds["next_token_logprobs"] += time.perf_counter() - t0
         return torch.log_softmax(logits, -1)
 
@@ -335,10 +336,8 @@ class Window:
         """Greedy continuation of `query` read after the reused cache."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        from agentwin.models.kv import build_cache
-
-        kv, length = self._materialize()
-        cache = build_cache(kv, self.km.model.config, self.km.layout) if kv else None
+        parts, length = self._materialize_parts()
+        cache = build_cache_parts(parts, self.km.model.config, self.km.layout) if parts else None
         ids, position, out = self._query_ids(query), length, []
         eos = getattr(self.km.model.config, "eos_token_id", None)
         for _ in range(max_new_tokens):
@@ -538,6 +537,11 @@ class Window:
     def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
         """Placed KV of `order` (default: the window) and its span in position units (where the
         next chunk or the query starts; the token count for text)."""
+        parts, span = self._materialize_parts(order)
+        return (concat_kv(*parts) if parts else []), span
+
+    def _materialize_parts(self, order: Sequence[ChunkId] | None = None) -> tuple[list[list[LayerKV]], int]:
+        """Each chunk's placed KV (not concatenated) of `order`, and their span."""
         t0 = time.perf_counter()
         order = self._order if order is None else list(order)
         parts, start = [], 0
@@ -558,4 +562,4 @@ class Window:
             parts.append(kv)
             start += self.km.span(chunk.inputs)
         self._stats.seconds["materialize"] += time.perf_counter() - t0
-        return (concat_kv(*parts) if parts else []), start
+        return parts, start

@@ -16,8 +16,10 @@ with its `EncoderCache`, so the tower runs once per distinct image.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any, Callable, Sequence, Union
+import os
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
@@ -28,6 +30,25 @@ from kamera_core import kv_layout, model_name, rope_specs
 
 ChunkInput = Union[torch.Tensor, VisionChunk]
 Features = Callable[[VisionChunk], dict]
+
+
+@contextlib.contextmanager
+def _grouped_sdpa() -> Iterator[None]:
+    """Lets transformers' SDPA attention read grouped KV heads directly (`enable_gqa`) instead of
+    first copying every KV head once per query head (`repeat_kv`). Outputs are identical; after a
+    long cache the copy is most of a short query's attention time on CPU."""
+    before = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_FORCE_GQA, None)
+        else:
+            os.environ[_FORCE_GQA] = before
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 class ByteTokenizer:
@@ -159,15 +180,16 @@ class KameraModel:
         positions = torch.arange(start, start + int(chunk.shape[0]))[None]
         return positions.expand(3, 1, -1) if self.is_vlm else positions
 
-    def forward(self, chunk: ChunkInput, start: int, cache: Any = None, features: Features | None = None) -> Any:
+    def forward(self, chunk: ChunkInput, start: int, cache: Any = None, features: Features | None = None,
+                logits_to_keep: int = 0) -> Any:
         """The model's forward of one chunk placed at `start`, after `cache`. Vision-tower outputs
-        come from `features(chunk)` (default: run the tower)."""
-        kw: dict[str, Any] = {}
+        come from `features(chunk)` (default: run the tower). logits_to_keep: 0 all, n the last n."""
+        kw: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         if isinstance(chunk, VisionChunk):
             tensors = (features or self.features)(chunk)
             kw = {"mm_encoder_outputs": encoder_outputs(self.model, chunk, tensors), "mm_token_type_ids": chunk.mm_type[None]}
         ids = self.ids(chunk)
-        with torch.no_grad():
+        with torch.no_grad(), _grouped_sdpa():
             return self.model(input_ids=ids[None], position_ids=self._positions(chunk, start), cache=cache,
                               use_cache=True, **kw)
 
@@ -227,8 +249,9 @@ class KameraModel:
         out = self.forward(chunk, prefix_span, cache, features)
         return [(k[tokens:].clone(), v[tokens:].clone()) for k, v in extract_kv(out.cache, self.layout)]
 
-    def query_logits(self, kv: Sequence[LayerKV], start: int, query_ids: torch.Tensor) -> torch.Tensor:
+    def query_logits(self, kv: Sequence[LayerKV] | Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:
         """Last-position logits `[vocab]` float32 of `query_ids` placed at `start`, read after a
-        cache holding `kv`."""
-        cache = build_cache(kv, self.model.config, self.layout) if kv else None
-        return self.forward(query_ids, start, cache).logits[0, -1].float()
+        cache holding `kv` (token-major KV, or a cache already built). Only the last position's
+        logits are computed."""
+        cache = kv if hasattr(kv, "get_seq_length") else (build_cache(kv, self.model.config, self.layout) if kv else None)
+        return self.forward(query_ids, start, cache, logits_to_keep=1).logits[0, -1].float()

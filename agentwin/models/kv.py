@@ -58,6 +58,23 @@ def build_cache(kv: Sequence[LayerKV], config: Any, layout: KVLayout) -> Any:
     return cache
 
 
+def build_cache_parts(parts: Sequence[Sequence[LayerKV]], config: Any, layout: KVLayout) -> Any:
+    """`build_cache(concat_kv(*parts))` in one copy per layer: each chunk's token-major KV is
+    written once, straight into the cache's `[1, heads, tokens, dim]` layout."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for index in range(len(parts[0])):
+        ks = [p[index][0] for p in parts]
+        vs = [p[index][1] for p in parts]
+        if layout.family == "mla":
+            ks, vs = [k[:, None] for k in ks], [v[:, None] for v in vs]
+        k = torch.cat([k.transpose(0, 1) for k in ks], dim=1)[None]
+        v = torch.cat([v.transpose(0, 1) for v in vs], dim=1)[None]
+        cache.update(k, v, index)
+    return cache
+
+
 def concat_kv(*parts: Sequence[LayerKV]) -> list[LayerKV]:
     """Layer-wise concatenation along tokens of several chunks' KV."""
     return [(torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts])) for i in range(len(parts[0]))]

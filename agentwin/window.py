@@ -425,9 +425,10 @@ class Window:
         deltas = kp.deficit(conditioned, chunk.canonical)
         if self.policy == "orbit":
             self._add_orbit(chunk, self._keys(antecedent), deltas)
-        full = max(t[0].numel() for t in chunk.canonical[0])
-        rank = full if self.rank is None else self.rank
-        patch = kp.build_patch(deltas, [(rank, rank)] * len(deltas), "svd" if self.rank else "exact", storage=self.storage)
+        if self.rank is None:
+            patch = kp.exact_patch(deltas)
+        else:
+            patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
         self._stats.conditioned_passes += 1
         self._stats.patch_bytes += patch.nbytes
         self._stats.seconds["conditioned_pass"] += time.perf_counter() - t0

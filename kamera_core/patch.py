@@ -323,6 +323,26 @@ def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Ten
     return factors.truncate(min(_check_rank(rank), factors.rank))
 
 
+def identity_factors(delta: Tensor) -> Factors:
+    """Full-rank Factors of `delta [T, *F]` with no decomposition: `I_T · Δ` when T ≤ F, else
+    `Δ · I_F`. The product reproduces Δ exactly in float32 (each entry is one value times 1), and
+    it costs nothing to build, so exact patches never run an eigensolver."""
+    x = _check_tensor(delta, "delta")
+    if x.dim() < 2 or x.shape[0] == 0 or math.prod(x.shape[1:]) == 0:
+        raise ValueError(f"delta must be [T, *F] with tokens and features, got {tuple(x.shape)}")
+    t, f = x.shape[0], math.prod(x.shape[1:])
+    flat = x.reshape(t, f).float()
+    eye = torch.eye(min(t, f), dtype=torch.float32, device=x.device)
+    u, vt = (eye, flat) if t <= f else (flat, eye)
+    return Factors(u.contiguous(), vt.reshape(vt.shape[0], *x.shape[1:]).contiguous())
+
+
+def exact_patch(deltas: Sequence[tuple[Tensor, Tensor]]) -> ChunkPatch:
+    """The exact (full-rank, float32) patch of per-layer `(Δk, Δv)`, from `identity_factors`."""
+    layers = _pairs(deltas, "deltas")
+    return ChunkPatch(tuple(LayerPatch(identity_factors(dk), identity_factors(dv)) for dk, dv in layers), "exact")
+
+
 def fit_with_gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | None = None
                    ) -> tuple[Factors, Tensor, float]:
     """(full-rank Factors ordered by gain, gains σ² `[min(T, F)]` float64, total weighted energy)

@@ -4,6 +4,7 @@ exact error drops, byte counts are exact, int8 stays within half a step, allocat
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from kamera_core.patch import (
     query_second_moment,
     store,
 )
+import kamera_core.patch as kp
 from kamera_core.relocate import relocate_keys
 from kamera_core.rope import RopeSpec
 
@@ -341,3 +343,16 @@ def test_bad_inputs_name_the_value():
         store(Factors(torch.full((T, 1), 1e6), torch.ones(1, 4)), "fp16")
     with pytest.raises(ValueError, match="ranks has"):
         build_patch(deficit(_kv(2, 1), _kv(2, 2)), [(1, 1)], "svd")
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 8), (40, 2, 4), (7, 16)])
+def test_identity_factors_reproduce_the_deficit_bit_for_bit(shape):
+    g = torch.Generator().manual_seed(1)
+    delta = torch.randn(shape, generator=g) * 1e-3
+    canonical = torch.randn(shape, generator=g)
+    f = kp.identity_factors(delta)
+    assert f.rank == min(shape[0], math.prod(shape[1:]))
+    patched = kp.apply_patch([(canonical, canonical)], kp.exact_patch([(delta, delta)]))[0][0]
+    assert torch.equal(patched, canonical + delta)
+    with pytest.raises(ValueError, match="tokens and features"):
+        kp.identity_factors(torch.zeros(0, 4))

@@ -358,3 +358,32 @@ def test_orbit_patch_beats_origin_on_reorders_on_smollm2(smollm2):
             scores.append(kl(win))
         mean[policy] = sum(scores) / len(scores)
     assert mean["orbit"] < 0.5 * mean["origin"], mean
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sequence=ops)
+def test_smollm2_exact_patches_match_reprefill_after_any_sequence(smollm2, sequence):
+    """The real model under random append / evict / recall sequences with exact patches: the
+    window's next-token log-probabilities equal a plain transformers forward of input_ids."""
+    model, tokenizer = smollm2
+    km = _smollm2_km(model, tokenizer)
+    win = Window(km, budget_tokens=4096, patch="origin", rank=None)
+    evicted = []
+    for op, arg in sequence:
+        if op == "append":
+            win.append(Text(" " + TEXTS[arg % len(TEXTS)] + "."))
+        elif op == "evict" and win.chunks():
+            victim = win.chunks()[arg % len(win.chunks())]
+            win.evict(victim)
+            evicted.append(victim)
+        elif op == "recall" and evicted:
+            win.recall(evicted.pop(arg % len(evicted)))
+        win.check_integrity()
+        mine = win.next_token_logprobs(" " + QUERY)
+        assert float((mine - _model_logprobs(km, win.input_ids(" " + QUERY))).abs().max()) <= TOL
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_km(model, tokenizer) -> KameraModel:
+    return KameraModel(model, tokenizer, name="smollm2")

@@ -337,8 +337,8 @@ def binding_section(res: dict) -> list[str]:
         f"{res['model']['num_attention_heads']} query / {res['model']['num_key_value_heads']} KV heads × "
         f"{res['model']['head_dim']}, {res['parameters']:,} parameters; trained {res['training']['steps_done']} steps "
         f"in {res['training']['seconds'] / 60:.1f} min on {res['training']['torch_threads']} CPU thread(s)). "
-        f"Task: A lists {res['generator']['members'][0]}–{res['generator']['members'][1]} entities, B says \"it owns o_k\" for each in order (the k-th \"it\" is A's k-th "
-        f"entity), the question (\"so E12 owns\") names an entity. {res['seeds']} held-out sets × {res['items_per_seed']} items "
+        f"Task: A lists {res['generator']['members'][0]}–{res['generator']['members'][1]} entities, B says \"it o_k .\" (it owns o_k) for each in order (the k-th \"it\" is A's k-th "
+        f"entity), the question (\"so E12\") names an entity. {res['seeds']} held-out sets × {res['items_per_seed']} items "
         f"= {full['items']} items per method; accuracy is argmax over the whole vocabulary.",
         "",
         f"Full context {full['acc']:.3f}, blind reuse {blind['acc']:.3f}. Gap recovered = "
@@ -400,6 +400,9 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
         lines.append(f"- Binding model ≥ 95% with full context: **{'met' if full['acc'] >= 0.95 else 'not met'}** "
                      f"({full['acc']:.3f} on {full['items']} held-out items). Blind reuse: {blind['acc']:.3f} "
                      f"({'visibly lower' if full['acc'] - blind['acc'] >= 0.05 else 'not visibly lower'}).")
+        if full["acc"] - blind["acc"] < 0.05:
+            lines.append("  With so small a gap between full context and blind reuse, the gap-recovered figures "
+                         "below are noise: the binding comparison does not discriminate between methods here.")
         kamera6 = [r for r in s if r["method"].startswith("kamera") and r["bytes_frac"] <= 0.06 + 1e-12]
         best6 = max(kamera6, key=lambda r: r["gap"]) if kamera6 else None
         best_any = max((r for r in s if r["method"].startswith("kamera")), key=lambda r: r["gap"], default=None)

@@ -3,19 +3,20 @@ the trainer of the tiny Llama-architecture model that solves it.
 
 The task (ordinal coreference):
     A:  "members : E5 , E12 , E3 ."          (MIN_MEMBERS..MAX_MEMBERS distinct entities, in order)
-    B:  "it owns o4 . it owns o9 . it owns o1 ."
+    B:  "it o4 . it o9 . it o1 ."        (each "it o_k ." is a claim: it owns o_k)
         the k-th "it" of B means A's k-th entity (with MAX_FILLERS > 0, filler sentences such as
         "then rain came ." sit between the claims; the shipped model is trained without them)
-    Q:  "so E12 owns"   answer: "o9"
+    Q:  "so E12"   answer: "o9"
 B never names an entity, so which entity owns which object is only defined by B read after A.
 With full context the model can bind each "it" while it reads B (B's keys and values then carry
 the entity); a B encoded alone cannot, so blind reuse has to lose accuracy unless the question
 redoes both hops (find E12's ordinal in A, then the matching "it" in B) itself. The question
-ends in "E12 owns", so with the entity bound to its "it" the answer is one induction step away.
+ends in the entity, so with the entity bound to its "it" the answer is one induction step away
+(the object follows the "it" that stands for E12, as a token follows an earlier copy of itself).
 
 Training uses a next-token loss on the answers only, plus, on a share of the sequences
 (`AUX_SHARE`), an auxiliary variant in which B restates the entity after each "it"
-("it E12 owns o9 .") with loss on that entity: it teaches the cross-chunk lookup directly, which
+("it E12 o9 .") with loss on that entity: it teaches the cross-chunk lookup directly, which
 answer-only training did not find in short runs.
 
 The model is a transformers `LlamaForCausalLM` (RoPE, GQA) over a word-level vocabulary of the
@@ -47,10 +48,10 @@ NUM_OBJECTS = 16
 MIN_MEMBERS, MAX_MEMBERS = 2, 5
 MAX_FILLERS = 0  # filler sentences before each claim: 0..MAX_FILLERS (0: none)
 AUX_SHARE = 0.5  # share of training sequences where B restates the entity after each "it"
-TRAIN_QUESTIONS = 4  # questions per training sequence (evaluation items ask one)
+TRAIN_QUESTIONS = 4  # questions per training sequence, drawn with replacement (evaluation items ask one)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
-FUNCTION_WORDS = ["members", ":", ",", ".", "it", "owns", "so"]
+FUNCTION_WORDS = ["members", ":", ",", ".", "it", "so"]
 FILLERS = [
     ("then", "rain", "came"), ("the", "bell", "rang"), ("later", "the", "day", "was", "quiet"),
     ("a", "cart", "passed"), ("the", "wind", "turned"), ("someone", "sang", "outside"),
@@ -139,9 +140,10 @@ def make_item(rng: random.Random, aux: bool = False, num_questions: int = 1) -> 
     for entity, obj in zip(members, owned):
         for _ in range(rng.randint(0, MAX_FILLERS)):
             parts.append(" ".join(rng.choice(FILLERS)) + " .")
-        parts.append(f"it {entity} owns {obj} ." if aux else f"it owns {obj} .")
-    asked = rng.sample(range(n), min(num_questions, n))
-    questions = tuple(f"so {members[k]} owns" for k in asked)
+        parts.append(f"it {entity} {obj} ." if aux else f"it {obj} .")
+    # With replacement: asking every member once would let the last answers follow by elimination.
+    asked = [rng.randrange(n) for _ in range(num_questions)]
+    questions = tuple(f"so {members[k]}" for k in asked)
     return Item(a, " ".join(parts), questions, tuple(owned[k] for k in asked), tuple(members), tuple(owned))
 
 
@@ -300,8 +302,8 @@ def accuracy_blind(model: Any, tok: BindingTokenizer, items: Sequence[Item]) -> 
 
 # ---- training --------------------------------------------------------------------------------
 
-TRAIN_DEFAULTS = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, warmup=200, weight_decay=0.01,
-                      max_minutes=40.0, eval_every=250)
+TRAIN_DEFAULTS = dict(seed=0, steps=2500, batch_size=32, lr=3e-3, warmup=100, weight_decay=0.01,
+                      max_minutes=17.0, eval_every=250)
 
 
 def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: int = 64, lr: float = 2e-3,
@@ -419,14 +421,14 @@ def write_readme(folder: str | os.PathLike) -> None:
         "",
         "## Task (ordinal coreference)",
         "",
-        "    <bos> members : E5 , E12 , E3 .   it owns o4 . it owns o9 . it owns o1 .   so E12 owns  -> o9",
+        "    <bos> members : E5 , E12 , E3 .   it o4 . it o9 . it o1 .   so E12  -> o9",
         "",
         f"A lists {g['members'][0]}-{g['members'][1]} distinct entities out of {g['num_entities']}; B has one claim per "
-        f"entity, in order, each \"it owns o_k\" with distinct objects out of {g['num_objects']} (the k-th \"it\" is "
+        f"entity, in order, each \"it o_k .\" (it owns o_k) with distinct objects out of {g['num_objects']} (the k-th \"it\" is "
         f"A's k-th entity; up to {g['max_fillers_before_claim']} filler sentences before each claim). The question names "
         "an entity; the answer is its object. B never names an entity, so only B read after A defines who owns what.",
         f"Training sequences carry {g['train_questions_per_sequence']} questions with loss on the answers; a share "
-        f"{g['aux_share']} of them restate the entity after each \"it\" (\"it E12 owns o9\") with loss on it.",
+        f"{g['aux_share']} of them restate the entity after each \"it\" (\"it E12 o9 .\") with loss on it.",
         "",
         "## Model and training",
         "",

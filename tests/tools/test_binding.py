@@ -15,7 +15,7 @@ from tools import binding as bd
 
 def test_tokenizer_round_trip_and_errors():
     tok = bd.BindingTokenizer()
-    text = "members : E3 , E7 . it owns o2 . so E7 owns"
+    text = "members : E3 , E7 . it o2 . so E7"
     ids = tok(text, add_special_tokens=False).input_ids
     assert tok.decode(ids) == text
     assert tok(text).input_ids[0] == bd.BOS and tok(text).input_ids[1:] == ids
@@ -29,7 +29,7 @@ def test_kamera_model_wraps_the_tokenizer():
 
     model = bd.new_model(0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
     km = KameraModel(model, bd.BindingTokenizer(), name="binding")
-    assert km.tokenize("it owns o3 .").tolist() == bd.BindingTokenizer().encode("it owns o3 .")
+    assert km.tokenize("it o3 .").tolist() == bd.BindingTokenizer().encode("it o3 .")
 
 
 def test_items_bind_the_kth_it_to_the_kth_entity():
@@ -37,7 +37,7 @@ def test_items_bind_the_kth_it_to_the_kth_entity():
     for _ in range(50):
         item = bd.make_item(rng, num_questions=3)
         words = item.b.split()
-        owned = [words[i + 2] for i, w in enumerate(words) if w == "it"]
+        owned = [words[i + 1] for i, w in enumerate(words) if w == "it"]
         assert owned == list(item.owned) and not any(e in words for e in item.members)
         assert item.a.split()[2::2] == list(item.members)
         for q, ans in zip(item.questions, item.answers):
@@ -58,7 +58,7 @@ def test_training_labels_cover_answers_and_auxiliary_entities_only():
             if lab == -100:
                 continue
             assert lab == ids[i]
-            answer = words[i - 3] == "so" and words[i - 1] == "owns" and words[i] in bd.OBJECTS
+            answer = words[i - 2] == "so" and words[i] in bd.OBJECTS
             assert answer or (words[i - 1] == "it" and words[i] in bd.ENTITIES)
 
 
@@ -86,14 +86,18 @@ def test_load_refuses_a_missing_checkpoint(tmp_path):
 
 
 def test_shipped_checkpoint_reaches_its_recorded_accuracy():
+    """The shipped weights reproduce the held-out figures recorded beside them (within sampling
+    error on a 300-item sample of the same held-out set): full context and blind reuse."""
     desc = json.loads((bd.CHECKPOINT_DIR / "binding.json").read_text())
     recorded = desc["eval"]
     assert recorded["items"] >= 1000
     model, tok = bd.load()
     assert (bd.CHECKPOINT_DIR / "model.safetensors").stat().st_size < 8 * 2**20
-    items = bd.eval_items(1000)[:300]  # a sample of the recorded held-out set
+    items = bd.eval_items(1000)[:300]
     full = bd.accuracy_full(model, tok, items)
+    blind = bd.accuracy_blind(model, tok, items)
     # 300 items: the binomial standard error is at most 0.029; allow 3 of them.
-    assert full >= recorded["full_context_acc"] - 0.087
-    blind = bd.accuracy_blind(model, tok, items[:150])
-    assert blind <= full - 0.1, "blind reuse must visibly lose accuracy on the binding task"
+    assert abs(full - recorded["full_context_acc"]) <= 0.087, (full, recorded)
+    assert abs(blind - recorded["blind_reuse_acc"]) <= 0.087, (blind, recorded)
+    # Chance is about 1/members on average (the model answers with one of B's objects).
+    assert full > 0.2

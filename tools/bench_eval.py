@@ -45,11 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", metavar="DIR", default=None,
                         help="where RESULTS.md and results/eval_*.{json,png} go (default: docs/; "
                              "with --quick a temporary directory)")
-    parser.add_argument("--binding-items", type=int, default=400, help="held-out items per seed (default 400)")
-    parser.add_argument("--binding-seeds", type=int, default=3, help="held-out item sets (default 3)")
-    parser.add_argument("--smollm2-seeds", type=int, default=3, help="generated SmolLM2 cases (default 3)")
-    parser.add_argument("--smollm2-queries", type=int, default=6, help="questions per SmolLM2 case (default 6)")
-    parser.add_argument("--vl-seeds", type=int, default=3, help="multimodal layouts per model (default 3)")
+    parser.add_argument("--binding-items", type=int, default=250, help="held-out items per seed (default 250)")
+    parser.add_argument("--binding-seeds", type=int, default=4, help="held-out item sets (default 4)")
+    parser.add_argument("--smollm2-seeds", type=int, default=1, help="generated SmolLM2 cases (default 1)")
+    parser.add_argument("--smollm2-queries", type=int, default=4, help="questions per SmolLM2 case (default 4)")
+    parser.add_argument("--vl-seeds", type=int, default=2, help="multimodal layouts per model (default 2)")
     parser.add_argument("--binding-checkpoint", metavar="DIR", default=None,
                         help="binding checkpoint directory (default: the shipped agentwin/models/data/binding)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("binding", "smollm2", "multimodal"),
@@ -359,7 +359,8 @@ def binding_section(res: dict) -> list[str]:
 
 def smollm2_section(res: dict) -> list[str]:
     lines = ["## 2. Fidelity on SmolLM2-135M-Instruct", "",
-             f"{res['seeds']} generated cases (tools/patch_texts.py); each trace's queries are read after "
+             f"{res['seeds']} generated case(s) (tools/patch_texts.py), "
+             f"{res['summary'][0]['cases'] // max(1, res['seeds'])} questions each; each trace's queries are read after "
              f"the method's KV and compared with a full re-prefill: mean next-token KL, top-1 agreement, "
              f"and the share of queries whose first {res['greedy_tokens']} greedy tokens are identical. "
              "recall: [A, B] with B from canonical storage (patch conditioned on A). reorder: "

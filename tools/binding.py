@@ -440,8 +440,8 @@ def write_readme(folder: str | os.PathLike) -> None:
         f"{t['seconds'] / 60:.1f} min of wall time on {t['torch_threads']} CPU thread(s) (torch {t['torch']}).",
         "",
         f"Reproduce: `python -m tools.binding train --out DIR --seed {t['seed']} --steps {t['planned_steps']} "
-        f"--batch-size {t['batch_size']} --lr {t['lr']}` (batches are drawn from seeded generators; bit-identical "
-        "weights need the same torch build and thread count).",
+        f"--batch-size {t['batch_size']} --lr {t['lr']} --warmup {t['warmup']} --max-minutes 600` (batches are "
+        "drawn from seeded generators; bit-identical weights need the same torch build and thread count).",
     ]
     if last:
         lines += ["", f"Last training log: step {last['step']}, loss {last['loss']:.4f}, probe accuracy "

@@ -202,3 +202,32 @@ assert set(TEXT_MODELS + VL_MODELS) == set(TINY)
 
 def tiny(name: str, config: Any = None) -> Any:
     return build_tiny(name, seed=0, config=config)
+
+
+def send_html(handler: Any, body: str | None) -> None:
+    """Answer an http.server request with `body` as UTF-8 HTML, or 404 when it is None."""
+    if body is None:
+        handler.send_error(404)
+        return
+    data = body.encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/html; charset=utf-8")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def window_step(win: Any, op: str, arg: int, evicted: list, append: Any) -> None:
+    """One step of a random operation sequence: "evict" drops a chunk of the window (remembered in
+    `evicted`), "recall" brings one of those back to its slot, any other op calls append(op, arg).
+    Evict and recall with nothing to act on do nothing."""
+    if op == "evict":
+        if win.chunks():
+            victim = win.chunks()[arg % len(win.chunks())]
+            win.evict(victim)
+            evicted.append(victim)
+    elif op == "recall":
+        if evicted:
+            win.recall(evicted.pop(arg % len(evicted)))
+    else:
+        append(op, arg)

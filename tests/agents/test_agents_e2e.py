@@ -13,6 +13,7 @@ import pytest
 from agents.loop import AgentLoop
 from agents.model import ScriptedDecider
 from agentwin import KameraModel, Window
+from tests.support import send_html
 
 QUERY = "\nQuestion: what did you see? Answer:"
 SITE = {
@@ -25,16 +26,7 @@ SITE = {
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = SITE.get(self.path.split("?")[0])
-        if body is None:
-            self.send_error(404)
-            return
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_html(self, SITE.get(self.path.split("?")[0]))
 
     def log_message(self, *args) -> None:
         pass

@@ -13,6 +13,7 @@ import pytest
 
 from agents.base import ActionError, Env, EnvError
 from agents.web import BrowserEnv
+from tests.support import send_html
 
 VIEWPORT = (640, 480)
 
@@ -54,17 +55,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = f"<html><head><title>Search</title></head><body><p>Results for {q}</p></body></html>"
         elif url.path == "/slow.html":
             body = "<html><head><title>Slow</title></head><body>late</body></html>"
-        elif url.path in PAGES:
-            body = PAGES[url.path]
         else:
-            self.send_error(404)
-            return
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            body = PAGES.get(url.path)
+        send_html(self, body)
 
     def log_message(self, *args) -> None:
         pass

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import ChunkId, Text, Window
+from tests.support import window_step
 
 TEXTS = ["the harbour master keeps the tide log", "she wrote the storm surge in it",
          "the keeper climbed the tower at dawn", "he replaced the cracked diaphragm",
@@ -42,16 +43,9 @@ ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "query"])
 def test_exact_patches_match_reprefill_after_any_sequence(name, sequence):
     km = _km(name)
     win = Window(km, budget_tokens=4096, patch="origin", rank=None)
-    appended, evicted = [], []
+    evicted: list = []
     for op, arg in sequence:
-        if op == "append":
-            appended.append(win.append(Text(TEXTS[arg % len(TEXTS)])))
-        elif op == "evict" and win.chunks():
-            victim = win.chunks()[arg % len(win.chunks())]
-            win.evict(victim)
-            evicted.append(victim)
-        elif op == "recall" and evicted:
-            win.recall(evicted.pop(arg % len(evicted)))
+        window_step(win, op, arg, evicted, lambda op, arg: op == "append" and win.append(Text(TEXTS[arg % len(TEXTS)])))
         win.check_integrity()
         mine = win.next_token_logprobs(QUERY)
         assert float((mine - win.reference_logprobs(QUERY)).abs().max()) <= TOL
@@ -369,16 +363,10 @@ def test_smollm2_exact_patches_match_reprefill_after_any_sequence(smollm2, seque
     model, tokenizer = smollm2
     km = _smollm2_km(model, tokenizer)
     win = Window(km, budget_tokens=4096, patch="origin", rank=None)
-    evicted = []
+    evicted: list = []
     for op, arg in sequence:
-        if op == "append":
-            win.append(Text(" " + TEXTS[arg % len(TEXTS)] + "."))
-        elif op == "evict" and win.chunks():
-            victim = win.chunks()[arg % len(win.chunks())]
-            win.evict(victim)
-            evicted.append(victim)
-        elif op == "recall" and evicted:
-            win.recall(evicted.pop(arg % len(evicted)))
+        window_step(win, op, arg, evicted,
+                    lambda op, arg: op == "append" and win.append(Text(" " + TEXTS[arg % len(TEXTS)] + ".")))
         win.check_integrity()
         mine = win.next_token_logprobs(" " + QUERY)
         assert float((mine - _model_logprobs(km, win.input_ids(" " + QUERY))).abs().max()) <= TOL

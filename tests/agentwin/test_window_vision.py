@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agentwin import Frames, Image, KameraModel, Text, Window
 from agentwin.models.vision import VisionInputError
+from tests.support import window_step
 
 TOL = 1e-4
 QUERY = " what changed?"
@@ -93,16 +94,8 @@ def test_qwen2_5_vl_exact_after_any_sequence(sequence):
     win = Window(km, budget_tokens=4096, patch="origin", rank=None)
     evicted = []
     for op, arg in sequence:
-        if op == "text":
-            win.append(Text(TEXTS[arg % len(TEXTS)]))
-        elif op == "image":
-            win.append(Image(_image(arg % 3), max_tokens=12))
-        elif op == "evict" and win.chunks():
-            victim = win.chunks()[arg % len(win.chunks())]
-            win.evict(victim)
-            evicted.append(victim)
-        elif op == "recall" and evicted:
-            win.recall(evicted.pop(arg % len(evicted)))
+        window_step(win, op, arg, evicted, lambda op, arg: win.append(
+            Text(TEXTS[arg % len(TEXTS)]) if op == "text" else Image(_image(arg % 3), max_tokens=12)))
         win.check_integrity()
         assert _gap(win, km) <= TOL
 

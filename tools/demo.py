@@ -60,7 +60,8 @@ EXPECTED = "Tobias Mertens"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relocation", action="store_true",
                         help="run the relocation demo instead (KV moved by RoPE re-rotation; --start, --new-tokens)")
-    parser.add_argument("--start", type=int, default=30000, help="relocation demo: original start position")
+    parser.add_argument("--start", type=int, default=None,
+                        help="relocation demo only: original start position (default 30000)")
     parser.add_argument("--new-tokens", type=int, default=20,
                         help="tokens of the answer (and of the relocation demo's continuations) (default 20)")
     parser.add_argument("--pdf", metavar="FILE", help="also keep the generated PDF at FILE")
@@ -162,7 +163,12 @@ def _report(run: dict, log=print) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.relocation:
+        args.start = 30000 if args.start is None else args.start
         return relocation_demo.run(args)
+    if args.start is not None:
+        print("error: --start belongs to the relocation demo: add --relocation (or use agentwin relocation-demo)",
+              file=sys.stderr)
+        return 2
     if args.new_tokens < 1:
         print("error: --new-tokens must be positive", file=sys.stderr)
         return 2

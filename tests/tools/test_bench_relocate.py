@@ -58,6 +58,10 @@ def test_bench_needs_a_benchmark_name(capsys):
 
 
 def test_demo_rejects_bad_arguments_before_loading_anything(capsys):
-    assert cli.main(["demo", "--start", "-5"]) == 2
+    assert cli.main(["demo", "--relocation", "--start", "-5"]) == 2
     assert "non-negative" in capsys.readouterr().err
+    assert cli.main(["relocation-demo", "--start", "-5"]) == 2
+    assert "non-negative" in capsys.readouterr().err
+    assert cli.main(["demo", "--start", "100"]) == 2  # the document demo has no start position
+    assert "--relocation" in capsys.readouterr().err
 

@@ -29,12 +29,9 @@ def rank_arg(text: str) -> int | None:
     if text.lower() in ("exact", "none", "full"):
         return None
     try:
-        rank = int(text)
-    except ValueError:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"--rank must be a positive integer or 'exact', got {text!r}") from None
-    if rank < 1:
-        raise argparse.ArgumentTypeError(f"--rank must be a positive integer or 'exact', got {text!r}")
-    return rank
 
 
 def _positive(text: str) -> int:

@@ -311,7 +311,9 @@ class DiskTier:
             return "corrupt", rec, None
         try:
             tensors = safetensors.torch.load(blob)
-        except Exception:  # any parse failure of a checksummed-but-bad file is corruption
+        except (safetensors.SafetensorError, ValueError, TypeError):
+            # A file that matches its checksum but does not parse as safetensors was written
+            # wrong: corruption (dropped and recomputed). Other errors (memory, I/O) propagate.
             return "corrupt", rec, None
         got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
         if got != rec.tensors or sum(t.numel() * t.element_size() for t in tensors.values()) != rec.nbytes:

@@ -491,12 +491,12 @@ class Window:
             vc = self.km.frames(content.frames, content.timestamps, content.fps, content.min_tokens, content.max_tokens)
         else:
             raise TypeError(f"append takes Text, Image, Frames or str, got {type(content).__name__}")
-        return vc, ChunkKey.of(fp, vc.kind, bytes.fromhex(vc.digest()), tenant=tenant)
+        return vc, ChunkKey.of(fp, vc.kind, bytes.fromhex(vc.digest), tenant=tenant)
 
     def _features(self, vc: VisionChunk) -> dict:
         """Vision-tower outputs of `vc` through the encoder cache: the tower runs once per image."""
         computed = self.encoder.computed
-        out = self.encoder.get_or_compute(self.encoder.key(bytes.fromhex(vc.digest())), lambda: self.km.features(vc),
+        out = self.encoder.get_or_compute(self.encoder.key(bytes.fromhex(vc.digest)), lambda: self.km.features(vc),
                                           {"modality": vc.kind, "tokens": int(vc.ids.numel())})
         if self.encoder.computed > computed:
             self._stats.encoder_calls += 1

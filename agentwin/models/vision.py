@@ -22,6 +22,7 @@ all three axes, which is what exact relocation applies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -53,8 +54,10 @@ class VisionChunk:
     second_per_grid: float | None = None  # video on Qwen2.5-VL
     settings: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
     def digest(self) -> str:
-        """sha256 of everything that determines the chunk's canonical KV."""
+        """sha256 of everything that determines the chunk's canonical KV (computed once: the
+        window keys both the chunk and its vision-tower outputs by it)."""
         h = hashlib.sha256()
         for t in (self.ids, self.grid_thw, self.pixels):
             h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())

@@ -217,9 +217,12 @@ class Window:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         if chunk_id in self._order:
             raise ValueError(f"chunk {chunk_id} is already in the window")
-        index = self._chunks[chunk_id].slot if at is None else at
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self._order):
+        if at is None:
+            index = self._chunks[chunk_id].slot  # clamped to the window's end below
+        elif isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= len(self._order):
             raise ValueError(f"at must be an int in [0, {len(self._order)}], got {at!r}")
+        else:
+            index = at
         victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()))  # raises before any change
         for victim in victims:
             self.evict(victim)

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (a CI failure reproduces locally);
+# HYPOTHESIS_PROFILE=explore draws fresh ones to search for new failures.
+settings.register_profile("repro", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
 
 _FIGURES: list[dict] = []
 

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import ChunkId, Text, Window
@@ -40,6 +40,8 @@ ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "query"])
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-deepseek-v3", "tiny-gpt-neox"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops)
+# every chunk evicted, then one recalled to its old slot 1 of an empty window (clamped to 0)
+@example(sequence=[("append", 0), ("append", 0), ("evict", 1), ("evict", 0), ("recall", 0)])
 def test_exact_patches_match_reprefill_after_any_sequence(name, sequence):
     km = _km(name)
     win = Window(km, budget_tokens=4096, patch="origin", rank=None)

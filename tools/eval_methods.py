@@ -9,13 +9,13 @@ the model's own forward. The reference is a full re-prefill of [context, query].
 Methods (`run_method`):
 - `full`: the context's KV from one full prefill (the ceiling; what every method is compared to).
 - `blind`: every chunk's canonical KV moved to its place by exact RoPE re-rotation, nothing else.
-- `cacheblend`: CacheBlend-style selective recompute (arXiv 2405.16444). From blind KV, layer 0
-  is recomputed for every token of the reused chunks; the deviation of each token's layer-1 values
-  from its reused values picks the top `ratio` of each chunk's tokens, and only those are
-  recomputed in layers 1..L−1 (their new KV replaces the reused rows; every other token keeps its
-  reused KV). Simplifications, stated: the deviation is measured once, on layer 1's values (values
-  carry no rotation, so no key re-rotation is needed to compare), and the selected set is kept for
-  all later layers instead of being narrowed layer by layer.
+- `cacheblend`: CacheBlend-style selective recompute with gradual filtering (arXiv 2405.16444).
+  From blind KV, layer 0 is recomputed for every token of the reused chunks; at each later layer
+  the tokens still selected are ranked by the deviation of that layer's fresh values from their
+  reused values (values carry no rotation, so no key re-rotation is needed to compare), and the
+  top share of each chunk is kept: 2·ratio at layer 1, narrowing linearly to `ratio` at the last
+  layer (`cacheblend_ratios`). Recomputed rows replace the reused ones; every other token keeps
+  its reused KV.
 - `epic`: EPIC-style LegoLink (arXiv 2410.15332): the first `k` tokens of each reused chunk are
   recomputed in every layer; the rest keep the reused KV.
 - `vlcache`: VLCache-style (arXiv 2512.12977): the first ceil(r·T) tokens of each reused image or
@@ -403,28 +403,39 @@ def method_vlcache(ctx: Context, ratio: float) -> Result:
     return method_prefix(ctx, "vlcache", f"r={ratio:.0%}", pick)
 
 
+def cacheblend_ratios(ratio: float, layers: int) -> list[float]:
+    """Share of each reused chunk's tokens recomputed at each layer: every token at layer 0, then
+    min(1, 2·ratio) at layer 1, narrowing linearly to `ratio` at the last layer."""
+    first = min(1.0, 2 * ratio)
+    if layers < 3:
+        return [1.0] + [ratio] * (layers - 1)
+    return [1.0] + [ratio + (first - ratio) * (layers - 1 - l) / (layers - 2) for l in range(1, layers)]
+
+
 def method_cacheblend(ctx: Context, ratio: float) -> Result:
-    """CacheBlend-style: layer 0 over every reused token, then the top `ratio` of each reused
-    chunk by deviation of layer-1 values from the reused ones, recomputed in layers 1..L−1."""
+    """CacheBlend-style gradual filtering: layer 0 over every reused token; at each later layer,
+    among the tokens still selected, the top `cacheblend_ratios(...)[layer]` of each reused chunk
+    by deviation of that layer's fresh values from the reused ones, so the selection narrows
+    layer by layer to `ratio` at the last layer."""
     base = placed_kv(ctx, ctx.canonical)
     dec = decoder_of(ctx.model)
     all_idx = _chunk_indices(ctx, lambda c, t: t)
     chunk_of = torch.zeros(ctx.length, dtype=torch.long)
     for i, (lo, hi) in enumerate(ctx.bounds):
         chunk_of[lo:hi] = i
+    ratios = cacheblend_ratios(ratio, len(dec.layers))
 
     def narrow(layer: int, cur: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        if layer != 1:
-            return torch.ones(cur.numel(), dtype=torch.bool)
-        block = dec.layers[1]
+        block = dec.layers[layer]
         v_new = block.self_attn.v_proj(block.input_layernorm(h))[0]  # (|cur|, Hkv·D)
-        v_old = base[1][1][cur].reshape(cur.numel(), -1).to(v_new.dtype)
+        v_old = base[layer][1][cur].reshape(cur.numel(), -1).to(v_new.dtype)
         dev = (v_new - v_old).float().pow(2).sum(-1)
         keep = torch.zeros(cur.numel(), dtype=torch.bool)
         for i in range(1, len(ctx.chunks)):
+            lo, hi = ctx.bounds[i]
             rows = (chunk_of[cur] == i).nonzero().flatten()
-            count = max(1, round(ratio * rows.numel()))
-            keep[rows[torch.topk(dev[rows], min(count, rows.numel())).indices]] = True
+            count = min(rows.numel(), max(1, round(ratios[layer] * (hi - lo))))
+            keep[rows[torch.topk(dev[rows], count).indices]] = True
         return keep
 
     t0 = time.perf_counter()

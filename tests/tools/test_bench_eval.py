@@ -97,7 +97,11 @@ def test_method_costs_and_kl_ordering():
     layers, reused = len(ctx.full_kv), ctx.reused_tokens()
     sizes = [hi - lo for lo, hi in ctx.bounds[1:]]
     cb = em.method_cacheblend(ctx, 0.15)
-    assert cb.token_layers == reused + (layers - 1) * sum(max(1, round(0.15 * n)) for n in sizes)
+    deep = em.cacheblend_ratios(0.15, 30)  # SmolLM2's depth
+    assert deep[0] == 1.0 and deep[1] == pytest.approx(0.30) and deep[-1] == pytest.approx(0.15)
+    assert all(x >= y for x, y in zip(deep[1:], deep[2:]))  # the selection only narrows
+    ratios = em.cacheblend_ratios(0.15, layers)
+    assert cb.token_layers == reused + sum(min(n, max(1, round(r * n))) for r in ratios[1:] for n in sizes)
     vl = em.method_vlcache(ctx, 0.05)  # text-only context: every reused chunk
     assert vl.token_layers == layers * sum(math.ceil(0.05 * n) for n in sizes)
     full = em.score(ctx, em.method_full(ctx), greedy=3)
@@ -106,6 +110,32 @@ def test_method_costs_and_kl_ordering():
     assert full["kl"] <= 1e-9 and full["greedy_same"] == 1.0 and full["compute_frac"] == 1.0
     assert blind["kl"] > 1e-6 and blind["compute_frac"] == 0.0 and blind["bytes_frac"] == 0.0
     assert epic["kl"] <= 1e-9 and epic["compute_frac"] == 1.0
+
+
+def test_cacheblend_narrows_its_selection_layer_by_layer():
+    from agentwin.models.zoo import tiny_config
+
+    cfg = tiny_config("tiny-llama-gqa")
+    cfg.num_hidden_layers = 6
+    model = build_tiny("tiny-llama-gqa", config=cfg)
+    g = torch.Generator().manual_seed(1)
+    chunks = [em.text_chunk(torch.randint(3, 240, (n,), generator=g)) for n in (12, 40, 30)]
+    ctx = em.build_context(model, chunks, [torch.randint(3, 240, (4,), generator=g)])
+    blind = em.method_blind(ctx).kv
+    res = em.method_cacheblend(ctx, 0.15)
+    ratios = em.cacheblend_ratios(0.15, 6)
+    reused = torch.arange(ctx.bounds[1][0], ctx.length)
+    previous = None
+    # Layer 0's values depend on the token alone (recomputing them changes nothing); from layer 1
+    # on, a recomputed row differs from its reused one.
+    for l, ((k, v), (bk, bv)) in list(enumerate(zip(res.kv, blind)))[1:]:
+        changed = set(int(i) for i in reused if not torch.equal(v[i], bv[i]))
+        want = sum(round(ratios[l] * (hi - lo)) for lo, hi in ctx.bounds[1:])
+        assert len(changed) == want, (l, len(changed), want)
+        if previous is not None:
+            assert changed <= previous  # a token dropped at one layer is not picked up again
+        previous = changed
+    assert ctx.bounds[0][1] == 12 and all(int(i) >= 12 for i in previous)
 
 
 def test_vlcache_recomputes_only_image_and_frame_chunks():

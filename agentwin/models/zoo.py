@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -162,17 +164,98 @@ def smollm2_gguf_path() -> str:
     return os.path.join(folder, files[0])
 
 
+def converted_cache_dir(gguf_path: str, dtype: torch.dtype) -> str | None:
+    """Where the de-quantized weights of `gguf_path` in `dtype` are kept after the first load:
+    `$AGENTWIN_CACHE_DIR` (default `~/.cache/agentwin`)/converted/<key>, the key covering the
+    GGUF file (name, size, mtime), the transformers version and the dtype. None when
+    `AGENTWIN_WEIGHT_CACHE=0`."""
+    if os.environ.get("AGENTWIN_WEIGHT_CACHE", "1") == "0":
+        return None
+    import hashlib
+
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = f"{os.path.basename(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{dtype}"
+    root = os.environ.get("AGENTWIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "agentwin")
+    name = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(root, "converted", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(folder, "complete")):
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as err:  # a damaged cache is rebuilt from the GGUF file, never trusted
+        warnings.warn(f"ignoring the converted-weights cache at {folder} ({type(err).__name__}: {err}); "
+                      "converting from GGUF again", stacklevel=3)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return model, tokenizer
+
+
+def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
+    """Write the converted model next to `folder`, then rename it into place (a reader never sees
+    a half-written cache; of two concurrent writers one wins). Failure only costs the speed-up."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(folder)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        # The GGUF-loaded model refuses save_pretrained (it is flagged as quantized); its tensors
+        # are plain de-quantized ones, written here as they are.
+        state, seen = {}, set()
+        for key, tensor in model.state_dict().items():
+            if tensor.data_ptr() in seen:  # tied weights: stored once, re-tied by the config on load
+                continue
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.detach().contiguous()
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=1, default=str)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "complete"), "w") as f:
+            f.write("ok\n")
+        os.replace(tmp, folder)
+    except (OSError, ValueError, RuntimeError) as err:
+        warnings.warn(f"could not keep the converted SmolLM2 weights in {parent} ({err}); "
+                      "every load will convert from GGUF (set AGENTWIN_CACHE_DIR to a writable folder)",
+                      stacklevel=3)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """(model, tokenizer) of the real SmolLM2-135M-Instruct, de-quantized from GGUF to `dtype`.
 
     `dtype` is passed at load time so the rotary `inv_freq` buffer stays float32 (casting a loaded
-    model with `.to(bfloat16)` would round it too).
+    model with `.to(bfloat16)` would round it too). De-quantizing the GGUF file takes tens of
+    seconds on a small CPU; the result is kept (`converted_cache_dir`, about 540 MB in float32)
+    and later loads read it in about a second.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_gguf_path()
-    folder, name = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    cached = converted_cache_dir(path, dtype)
+    loaded = _load_converted(cached, dtype) if cached is not None else None
+    if loaded is not None:
+        model, tokenizer = loaded
+    else:
+        folder, name = os.path.split(path)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        if cached is not None:
+            _save_converted(model, tokenizer, cached)
     model.config._attn_implementation = "eager"
     return model.eval(), tokenizer

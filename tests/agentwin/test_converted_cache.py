@@ -1,0 +1,57 @@
+"""The converted-weights cache of the embedded SmolLM2: a later load reads it and gives the same
+model (logits equal to the GGUF load's, same tokenizer); a damaged cache is dropped with a
+warning and rebuilt from the GGUF file; AGENTWIN_WEIGHT_CACHE=0 turns it off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from agentwin.models import zoo
+
+
+TEXT = "The harbour master keeps the tide log. <|im_start|>user\nWho keeps it?<|im_end|>"
+
+
+def _logits(model, tokenizer) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokenizer(TEXT).input_ids])).logits[0]
+
+
+@pytest.mark.slow
+def test_second_load_reads_the_cache_and_a_damaged_one_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTWIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AGENTWIN_WEIGHT_CACHE", raising=False)
+    folder = zoo.converted_cache_dir(zoo.smollm2_gguf_path(), torch.float32)
+    assert folder.startswith(str(tmp_path))
+
+    model, tok = zoo.load_smollm2(torch.float32)  # converts from GGUF, keeps the result
+    assert os.path.isfile(os.path.join(folder, "complete"))
+    reference = _logits(model, tok)
+    del model
+
+    cached, cached_tok = zoo.load_smollm2(torch.float32)
+    assert cached_tok(TEXT).input_ids == tok(TEXT).input_ids
+    assert cached.config._attn_implementation == "eager"
+    assert cached.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(_logits(cached, cached_tok), reference)
+    del cached
+
+    weights = os.path.join(folder, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.warns(UserWarning, match="converted-weights cache"):
+        rebuilt, rebuilt_tok = zoo.load_smollm2(torch.float32)
+    assert torch.equal(_logits(rebuilt, rebuilt_tok), reference)
+    assert os.path.getsize(weights) > 2 * 10**8  # written again in full
+
+
+def test_cache_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTWIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AGENTWIN_WEIGHT_CACHE", "0")
+    assert zoo.converted_cache_dir(zoo.smollm2_gguf_path(), torch.float32) is None  # load_smollm2 keeps nothing
+    monkeypatch.setenv("AGENTWIN_WEIGHT_CACHE", "1")
+    assert zoo.converted_cache_dir(zoo.smollm2_gguf_path(), torch.bfloat16) != \
+        zoo.converted_cache_dir(zoo.smollm2_gguf_path(), torch.float32)  # one cache per dtype

@@ -101,7 +101,7 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
             fit_s[method] = fit_s.get(method, 0.0) + time.perf_counter() - t0
         return fits[(method, i)]
 
-    rows = []
+    done: list[tuple[Any, float | None]] = []
     for method, setting, p in plan:
         if method == "full":
             res = em.method_full(ctx)
@@ -128,9 +128,11 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
             if method != "kamera-orbit":
                 build += sum(cond(i).seconds for i in reused)
             res = em.method_patched(ctx, method, setting, patches, build)
-        row = em.score(ctx, res, greedy)
-        row["budget"] = p if method.startswith("kamera") else None
-        rows.append(row)
+        done.append((res, p if method.startswith("kamera") else None))
+    # The queries are read for every method at once (one batched forward per decoding step).
+    rows = em.score_many(ctx, [res for res, _ in done], greedy)
+    for row, (_, budget) in zip(rows, done):
+        row["budget"] = budget
     return rows
 
 
@@ -243,10 +245,20 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
 
 
 def smollm2_workload(seeds: int, budgets, greedy: int, max_queries: int | None, traces=TRACES, log=print) -> dict:
+    from agentwin.models.adapter import _grouped_sdpa
     from agentwin.models.zoo import load_smollm2
-    from tools.patch_texts import make_case
 
     model, tokenizer = load_smollm2(torch.float32)
+    # SDPA reading grouped KV heads directly: the same outputs as eager attention without copying
+    # each KV head per query head, for the reference and every method alike.
+    model.config._attn_implementation = "sdpa"
+    with _grouped_sdpa():
+        return _smollm2_cases(model, tokenizer, seeds, budgets, greedy, max_queries, traces, log)
+
+
+def _smollm2_cases(model, tokenizer, seeds, budgets, greedy, max_queries, traces, log) -> dict:
+    from tools.patch_texts import make_case
+
     rows = []
     t0 = time.perf_counter()
     for seed in range(seeds):
@@ -337,8 +349,10 @@ def binding_section(res: dict) -> list[str]:
         f"{res['model']['num_attention_heads']} query / {res['model']['num_key_value_heads']} KV heads × "
         f"{res['model']['head_dim']}, {res['parameters']:,} parameters; trained {res['training']['steps_done']} steps "
         f"in {res['training']['seconds'] / 60:.1f} min on {res['training']['torch_threads']} CPU thread(s)). "
-        f"Task: A lists {res['generator']['members'][0]}–{res['generator']['members'][1]} entities, B says \"it o_k .\" (it owns o_k) for each in order (the k-th \"it\" is A's k-th "
-        f"entity), the question (\"so E12\") names an entity. {res['seeds']} held-out sets × {res['items_per_seed']} items "
+        f"Task: A lists {res['generator']['members']} entities; B opens with {res['generator']['prefix_words']} filler "
+        "words, then one claim per entity, in order, \"o_k it\" (o_k is its; the k-th \"it\" is A's k-th entity); "
+        "the question (\"so E12\") names an entity. "
+        f"{res['seeds']} held-out sets × {res['items_per_seed']} items "
         f"= {full['items']} items per method; accuracy is argmax over the whole vocabulary.",
         "",
         f"Full context {full['acc']:.3f}, blind reuse {blind['acc']:.3f}. Gap recovered = "
@@ -575,8 +589,9 @@ def run(args: argparse.Namespace) -> int:
               "bytes are patch storage (fp16 factors) as a share of the reused chunks' fp16 KV; extra "
               "compute is tokens recomputed summed over layers, as a share of re-prefilling the reused chunks.",
               "", "Anchors as implemented here: CacheBlend-style 15% (layer 0 over every reused token, then "
-              "the 15% of each chunk whose layer-1 values deviate most, recomputed in layers 1..L−1; a "
-              "single selection, not narrowed layer by layer), EPIC-style LegoLink k = 16 and 32 (first "
+              "gradual filtering: at each later layer the selected tokens whose values deviate most from "
+              "the reused ones are kept, 30% of each chunk at layer 1 narrowing linearly to 15% at the "
+              "last layer), EPIC-style LegoLink k = 16 and 32 (first "
               "k tokens of each reused chunk, every layer), VLCache-style r = 5% (first 5% of each reused "
               "image/frame chunk; of each reused chunk on text-only workloads).", ""]
     if earlier:

@@ -2,22 +2,28 @@
 the trainer of the tiny Llama-architecture model that solves it.
 
 The task (ordinal coreference):
-    A:  "members : E5 , E12 , E3 ."          (MIN_MEMBERS..MAX_MEMBERS distinct entities, in order)
-    B:  "it o4 . it o9 . it o1 ."        (each "it o_k ." is a claim: it owns o_k)
-        the k-th "it" of B means A's k-th entity (with MAX_FILLERS > 0, filler sentences such as
-        "then rain came ." sit between the claims; the shipped model is trained without them)
+    A:  "members : E5 , E12 , E3 , E7 ."                 (MEMBERS distinct entities, in order)
+    B:  "<PREFIX_WORDS filler words> o4 it o9 it o1 it o7 it ."
+        each "o_k it" is a claim (o_k is its, the owner's); the k-th "it" means A's k-th entity
     Q:  "so E12"   answer: "o9"
 B never names an entity, so which entity owns which object is only defined by B read after A.
-With full context the model can bind each "it" while it reads B (B's keys and values then carry
-the entity); a B encoded alone cannot, so blind reuse has to lose accuracy unless the question
-redoes both hops (find E12's ordinal in A, then the matching "it" in B) itself. The question
-ends in the entity, so with the entity bound to its "it" the answer is one induction step away
-(the object follows the "it" that stands for E12, as a token follows an earlier copy of itself).
+With full context the model binds each claim while it reads B: every claim sits at one fixed
+distance from its entity in A (A's entries and B's claims are two words wide), so the object's
+position can take in the entity with one attention step, and the question then looks the entity
+up among B's objects. A B encoded alone has nothing there to bind to, so blind reuse has to lose
+accuracy unless the question redoes both hops (find E12's slot in A, then the claim at the
+matching slot of B) itself. The filler that opens B puts the claims past the first 32 tokens of
+B: a cross-chunk reference in the body of a chunk, not at its start.
 
-Training uses a next-token loss on the answers only, plus, on a share of the sequences
-(`AUX_SHARE`), an auxiliary variant in which B restates the entity after each "it"
-("it E12 o9 .") with loss on that entity: it teaches the cross-chunk lookup directly, which
-answer-only training did not find in short runs.
+Training uses a next-token loss on the answers, with two auxiliary signals that teach the
+cross-chunk binding directly (answer-only training sat at chance in every run here):
+- on a share of the sequences (`AUX_SHARE`), B names each entity in place of its "it" ("o9 E12")
+  with loss on it: that loss is read at the object's position, where the binding must form;
+- a share of the training questions (`REVERSE_SHARE`) is asked in reverse, "of o9" -> "E12":
+  the question finds o9 in B by its own token and must read the owner bound there, which pulls
+  the binding into the object's keys and values at a middle layer. Evaluation asks forward only.
+With both, the model left chance within 1000 steps; with either alone it was still at chance after
+1000 (measured on this machine, same seed).
 
 The model is a transformers `LlamaForCausalLM` (RoPE, GQA) over a word-level vocabulary of the
 generator's own words (`BindingTokenizer`), so it wraps as `KameraModel(model, tokenizer)` and
@@ -45,13 +51,14 @@ CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "agentwin" / "models" 
 
 NUM_ENTITIES = 16
 NUM_OBJECTS = 16
-MIN_MEMBERS, MAX_MEMBERS = 2, 5
-MAX_FILLERS = 0  # filler sentences before each claim: 0..MAX_FILLERS (0: none)
-AUX_SHARE = 0.5  # share of training sequences where B restates the entity after each "it"
+MEMBERS = 4  # entities listed in A (and claims in B); fixed, so every claim sits at one offset from its entity
+PREFIX_WORDS = 36  # filler words that open B before its claims (the claims sit past EPIC's 32 recomputed tokens)
+AUX_SHARE = 0.25  # share of training sequences where B names the entity in place of each "it"
 TRAIN_QUESTIONS = 4  # questions per training sequence, drawn with replacement (evaluation items ask one)
+REVERSE_SHARE = 0.5  # share of training questions asked in reverse ("of o9" -> "E12"; training only)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
-FUNCTION_WORDS = ["members", ":", ",", ".", "it", "so"]
+FUNCTION_WORDS = ["members", ":", ",", ".", "it", "so", "of"]
 FILLERS = [
     ("then", "rain", "came"), ("the", "bell", "rang"), ("later", "the", "day", "was", "quiet"),
     ("a", "cart", "passed"), ("the", "wind", "turned"), ("someone", "sang", "outside"),
@@ -130,21 +137,27 @@ class Item:
     owned: tuple[str, ...]
 
 
+def filler_words(rng: random.Random, count: int) -> list[str]:
+    """`count` words of random filler sentences ("then rain came . a cart passed . ..."), cut at `count`."""
+    words: list[str] = []
+    while len(words) < count:
+        words += list(rng.choice(FILLERS)) + ["."]
+    return words[:count]
+
+
 def make_item(rng: random.Random, aux: bool = False, num_questions: int = 1) -> Item:
-    """A random item; `aux` restates the entity after each "it" in B (training only)."""
-    n = rng.randint(MIN_MEMBERS, MAX_MEMBERS)
-    members = rng.sample(ENTITIES, n)
-    owned = rng.sample(OBJECTS, n)
+    """A random item; `aux` names each entity in place of its "it" in B (training only), so the
+    loss on it is read at the object's position: the place where the full-context model must bind
+    the object to A's entity."""
+    members = rng.sample(ENTITIES, MEMBERS)
+    owned = rng.sample(OBJECTS, MEMBERS)
     a = "members : " + " , ".join(members) + " ."
-    parts = []
-    for entity, obj in zip(members, owned):
-        for _ in range(rng.randint(0, MAX_FILLERS)):
-            parts.append(" ".join(rng.choice(FILLERS)) + " .")
-        parts.append(f"it {entity} {obj} ." if aux else f"it {obj} .")
+    claims = [f"{obj} {entity if aux else 'it'}" for entity, obj in zip(members, owned)]
+    b = " ".join(filler_words(rng, PREFIX_WORDS) + claims + ["."])
     # With replacement: asking every member once would let the last answers follow by elimination.
-    asked = [rng.randrange(n) for _ in range(num_questions)]
+    asked = [rng.randrange(MEMBERS) for _ in range(num_questions)]
     questions = tuple(f"so {members[k]}" for k in asked)
-    return Item(a, " ".join(parts), questions, tuple(owned[k] for k in asked), tuple(members), tuple(owned))
+    return Item(a, b, questions, tuple(owned[k] for k in asked), tuple(members), tuple(owned))
 
 
 def eval_items(count: int, seed: int = 10_000) -> list[Item]:
@@ -162,12 +175,12 @@ def training_sequence(rng: random.Random, tok: BindingTokenizer) -> tuple[list[i
     ids = tok.encode(item.a, add_special_tokens=True)
     labels = [-100] * len(ids)
     b_ids = tok.encode(item.b)
-    it_id, entity_ids = tok.index["it"], {tok.index[e] for e in ENTITIES}
-    for j, t in enumerate(b_ids):
-        supervised = aux and t in entity_ids and j > 0 and b_ids[j - 1] == it_id
-        labels.append(t if supervised else -100)
+    entity_ids = {tok.index[e] for e in ENTITIES}
+    labels += [t if aux and t in entity_ids else -100 for t in b_ids]
     ids += b_ids
     for q, ans in zip(item.questions, item.answers):
+        if rng.random() < REVERSE_SHARE:  # reverse question: which entity owns this object
+            q, ans = f"of {ans}", q.split()[1]
         q_ids = tok.encode(q)
         ids += q_ids
         labels += [-100] * len(q_ids)
@@ -302,12 +315,12 @@ def accuracy_blind(model: Any, tok: BindingTokenizer, items: Sequence[Item]) -> 
 
 # ---- training --------------------------------------------------------------------------------
 
-TRAIN_DEFAULTS = dict(seed=0, steps=2500, batch_size=32, lr=3e-3, warmup=100, weight_decay=0.01,
-                      max_minutes=17.0, eval_every=250)
+TRAIN_DEFAULTS = dict(seed=0, steps=3000, batch_size=64, lr=2e-3, warmup=200, weight_decay=0.01,
+                      max_minutes=60.0, eval_every=250)
 
 
-def train(out: str | os.PathLike, seed: int = 0, steps: int = 6000, batch_size: int = 64, lr: float = 2e-3,
-          warmup: int = 200, weight_decay: float = 0.01, max_minutes: float = 55.0, eval_every: int = 250,
+def train(out: str | os.PathLike, seed: int = 0, steps: int = 3000, batch_size: int = 64, lr: float = 2e-3,
+          warmup: int = 200, weight_decay: float = 0.01, max_minutes: float = 60.0, eval_every: int = 250,
           log=print, threads: int | None = 1, model_over: dict | None = None) -> dict:
     """Train from `seed` for `steps` steps (or until `max_minutes` of wall time) and write the
     checkpoint (model.safetensors, config.json, binding.json) to `out`; returns the record.
@@ -390,8 +403,8 @@ def _save(model, out, tok, seed, batch_size, lr, warmup, weight_decay, steps, hi
     record = {
         "task": "ordinal coreference across two chunks (see tools/binding.py)",
         "generator": {"num_entities": NUM_ENTITIES, "num_objects": NUM_OBJECTS,
-                      "members": [MIN_MEMBERS, MAX_MEMBERS], "max_fillers_before_claim": MAX_FILLERS,
-                      "aux_share": AUX_SHARE, "train_questions_per_sequence": TRAIN_QUESTIONS,
+                      "members": MEMBERS, "prefix_words": PREFIX_WORDS,
+                      "aux_share": AUX_SHARE, "reverse_share": REVERSE_SHARE, "train_questions_per_sequence": TRAIN_QUESTIONS,
                       "fillers": [" ".join(f) for f in FILLERS]},
         "training": {"seed": seed, "batch_size": batch_size, "lr": lr, "warmup": warmup,
                      "weight_decay": weight_decay, "planned_steps": steps,
@@ -421,14 +434,16 @@ def write_readme(folder: str | os.PathLike) -> None:
         "",
         "## Task (ordinal coreference)",
         "",
-        "    <bos> members : E5 , E12 , E3 .   it o4 . it o9 . it o1 .   so E12  -> o9",
+        "    <bos> members : E5 , E12 , E3 , E7 .   <filler> o4 it o9 it o1 it o7 it .   so E12  -> o9",
         "",
-        f"A lists {g['members'][0]}-{g['members'][1]} distinct entities out of {g['num_entities']}; B has one claim per "
-        f"entity, in order, each \"it o_k .\" (it owns o_k) with distinct objects out of {g['num_objects']} (the k-th \"it\" is "
-        f"A's k-th entity; up to {g['max_fillers_before_claim']} filler sentences before each claim). The question names "
-        "an entity; the answer is its object. B never names an entity, so only B read after A defines who owns what.",
-        f"Training sequences carry {g['train_questions_per_sequence']} questions with loss on the answers; a share "
-        f"{g['aux_share']} of them restate the entity after each \"it\" (\"it E12 o9 .\") with loss on it.",
+        f"A lists {g['members']} distinct entities out of {g['num_entities']}. B opens with {g['prefix_words']} filler "
+        f"words, then one claim per entity, in order: \"o_k it\" (o_k is its, the owner's), with distinct objects out of "
+        f"{g['num_objects']}; the k-th \"it\" is A's k-th entity. The question names an entity; the answer is its "
+        "object. B never names an entity, so only B read after A defines who owns what.",
+        f"Training sequences carry {g['train_questions_per_sequence']} questions with loss on the answers, a share "
+        f"{g['reverse_share']} of them asked in reverse (\"of o9\" -> \"E12\"); a share {g['aux_share']} of the "
+        "sequences name each entity in place of its \"it\" (\"o9 E12\") with loss on it. Evaluation asks forward "
+        "questions only.",
         "",
         "## Model and training",
         "",

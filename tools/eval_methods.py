@@ -599,17 +599,72 @@ def orbit_deltas(model: Any, head: Sequence[Chunk], members: Sequence[Chunk], ca
 
 # ---- scoring ------------------------------------------------------------------------------------
 
+def batched_cache(kvs: Sequence[Sequence[LayerKV]], config: Any, layout: Any) -> Any:
+    """A transformers `DynamicCache` of batch len(kvs): row b holds kvs[b] (all of one length)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for index in range(len(kvs[0])):
+        ks, vs = [kv[index][0] for kv in kvs], [kv[index][1] for kv in kvs]
+        if layout.family == "mla":
+            ks, vs = [k[:, None] for k in ks], [v[:, None] for v in vs]
+        cache.update(torch.stack([k.transpose(0, 1) for k in ks]), torch.stack([v.transpose(0, 1) for v in vs]), index)
+    return cache
+
+
+def read_queries(ctx: Context, kvs: Sequence[Sequence[LayerKV]], greedy: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per query: (last logits `[B, V]`, greedy ids `[B, greedy]`) of the query read after each of
+    `kvs`, in one batched forward per step. Decoding one token re-reads every weight; batching the
+    methods' caches reads them once per step for all of them. Rows are independent (same length,
+    no padding), so each row is that cache's own reading."""
+    out = []
+    n = len(kvs)
+    for q, qpos in zip(ctx.queries, ctx.query_pos):
+        cache = batched_cache(kvs, ctx.model.config, ctx.layout)
+        ids = q[None].expand(n, -1)
+        pos = _pos_ids(qpos)
+        steps: list[torch.Tensor] = []
+        with torch.no_grad():
+            logits = None
+            for step in range(max(1, greedy)):
+                p = pos.expand(*pos.shape[:-2], n, pos.shape[-1]) if pos.dim() == 3 else pos.expand(n, -1)
+                last = ctx.model(input_ids=ids, position_ids=p, cache=cache, use_cache=True,
+                                 logits_to_keep=1).logits[:, -1].float()
+                if logits is None:
+                    logits = last
+                if not greedy:
+                    break
+                nxt = last.argmax(-1)
+                steps.append(nxt)
+                ids, pos = nxt[:, None], pos[..., -1:] + 1
+        out.append((logits, torch.stack(steps, 1) if steps else torch.zeros(n, 0, dtype=torch.long)))
+    return out
+
+
+def score_many(ctx: Context, results: Sequence[Result], greedy: int = 0, batch: int = 12) -> list[dict]:
+    """`score` of every result, reading the queries for up to `batch` results at a time."""
+    rows: list[dict] = []
+    for lo in range(0, len(results), batch):
+        group = results[lo: lo + batch]
+        read = read_queries(ctx, [r.kv for r in group], greedy)
+        for b, result in enumerate(group):
+            rows.append(_score_row(ctx, result, [(lg[b], ids[b]) for lg, ids in read], greedy))
+    return rows
+
+
 def score(ctx: Context, result: Result, greedy: int = 0) -> dict:
     """Mean next-token KL, top-1 agreement and (with `greedy`) identical greedy continuations
     against the full re-prefill, over the context's queries."""
+    return score_many(ctx, [result], greedy)[0]
+
+
+def _score_row(ctx: Context, result: Result, read: Sequence[tuple[torch.Tensor, torch.Tensor]], greedy: int) -> dict:
     kls, top1, same, prefix, argmax = [], [], [], [], []
-    for q, ref, qpos, ref_ids in zip(ctx.queries, ctx.reference, ctx.query_pos, ctx.reference_ids):
-        logits = query_logits(ctx.model, ctx.layout, result.kv, q, qpos)
+    for (logits, mine), ref, ref_ids in zip(read, ctx.reference, ctx.reference_ids):
         kls.append(kl_div(ref, logits))
         argmax.append(int(logits.argmax()))
         top1.append(float(argmax[-1] == int(ref.argmax())))
         if greedy:
-            mine = greedy_ids(ctx.model, ctx.layout, result.kv, q, qpos, greedy)
             same.append(float(torch.equal(mine, ref_ids[:greedy])))
             agree = (mine == ref_ids[:greedy]).long()
             prefix.append(float(agree.cumprod(0).sum()) / greedy)

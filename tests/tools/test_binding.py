@@ -5,6 +5,7 @@ checkpoint loads and reaches its recorded held-out accuracy (with blind reuse vi
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from tools import binding as bd
 
 def test_tokenizer_round_trip_and_errors():
     tok = bd.BindingTokenizer()
-    text = "members : E3 , E7 . it o2 . so E7"
+    text = "members : E3 , E7 . o2 it . so E7"
     ids = tok(text, add_special_tokens=False).input_ids
     assert tok.decode(ids) == text
     assert tok(text).input_ids[0] == bd.BOS and tok(text).input_ids[1:] == ids
@@ -29,7 +30,7 @@ def test_kamera_model_wraps_the_tokenizer():
 
     model = bd.new_model(0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
     km = KameraModel(model, bd.BindingTokenizer(), name="binding")
-    assert km.tokenize("it o3 .").tolist() == bd.BindingTokenizer().encode("it o3 .")
+    assert km.tokenize("o3 it .").tolist() == bd.BindingTokenizer().encode("o3 it .")
 
 
 def test_items_bind_the_kth_it_to_the_kth_entity():
@@ -37,20 +38,26 @@ def test_items_bind_the_kth_it_to_the_kth_entity():
     for _ in range(50):
         item = bd.make_item(rng, num_questions=3)
         words = item.b.split()
-        owned = [words[i + 1] for i, w in enumerate(words) if w == "it"]
+        owned = [words[i - 1] for i, w in enumerate(words) if w == "it"]
         assert owned == list(item.owned) and not any(e in words for e in item.members)
         assert item.a.split()[2::2] == list(item.members)
+        # every claim sits past the first 32 tokens of B, at one distance from its entity in A
+        a_words = ["<bos>"] + item.a.split()
+        for k, (entity, obj) in enumerate(zip(item.members, item.owned)):
+            distance = len(a_words) + words.index(obj) - a_words.index(entity)
+            assert words.index(obj) >= 32 and distance == len(a_words) + bd.PREFIX_WORDS - 3
         for q, ans in zip(item.questions, item.answers):
             entity = q.split()[1]
             assert ans == item.owned[item.members.index(entity)]
     aux = bd.make_item(random.Random(1), aux=True)
     words = aux.b.split()
-    assert [words[i + 1] for i, w in enumerate(words) if w == "it"] == list(aux.members)
+    assert "it" not in words and [words[words.index(o) + 1] for o in aux.owned] == list(aux.members)
 
 
 def test_training_labels_cover_answers_and_auxiliary_entities_only():
     tok = bd.BindingTokenizer()
-    for seed in range(20):
+    kinds = set()
+    for seed in range(40):
         ids, labels = bd.training_sequence(random.Random(seed), tok)
         assert len(ids) == len(labels)
         words = tok.decode(ids).split()
@@ -59,7 +66,16 @@ def test_training_labels_cover_answers_and_auxiliary_entities_only():
                 continue
             assert lab == ids[i]
             answer = words[i - 2] == "so" and words[i] in bd.OBJECTS
-            assert answer or (words[i - 1] == "it" and words[i] in bd.ENTITIES)
+            reverse = words[i - 2] == "of" and words[i] in bd.ENTITIES
+            named = words[i - 1] in bd.OBJECTS and words[i] in bd.ENTITIES and "so" not in words[:i]
+            assert answer or reverse or named
+            kinds.add("answer" if answer else "reverse" if reverse else "named")
+            if answer or reverse:  # the answer is the one the item defines
+                members = words[3:words.index(".")][::2]
+                objects = [w for w in words[words.index(".") + 1:] if w in bd.OBJECTS][:bd.MEMBERS]
+                owner = lambda obj: members[objects.index(obj)]
+                assert (owner(words[i]) == words[i - 1]) if answer else (owner(words[i - 1]) == words[i])
+    assert kinds == {"answer", "reverse", "named"}
 
 
 def test_eval_items_are_seeded_and_held_out():
@@ -71,13 +87,15 @@ def test_eval_items_are_seeded_and_held_out():
 
 def test_short_training_run_lowers_the_loss(tmp_path):
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
-    record = bd.train(tmp_path, seed=0, steps=40, batch_size=16, lr=3e-3, warmup=5, eval_every=20,
+    record = bd.train(tmp_path, seed=0, steps=60, batch_size=16, lr=5e-3, warmup=5, eval_every=30,
                       log=lambda *_: None, threads=1, model_over=small)
     losses = [row["loss"] for row in record["training"]["history"]]
-    assert len(losses) == 2 and losses[1] < losses[0] - 0.25
+    # Uniform guessing over the vocabulary costs ln(|V|); a model that has learned at least which
+    # words can answer sits well below it.
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.1 and losses[1] < math.log(len(bd.VOCAB)) - 0.5
     model, tok = bd.load(tmp_path)
     assert model.config.num_hidden_layers == 2 and isinstance(tok, bd.BindingTokenizer)
-    assert json.loads((tmp_path / "binding.json").read_text())["training"]["steps_done"] == 40
+    assert json.loads((tmp_path / "binding.json").read_text())["training"]["steps_done"] == 60
 
 
 def test_load_refuses_a_missing_checkpoint(tmp_path):
@@ -99,5 +117,7 @@ def test_shipped_checkpoint_reaches_its_recorded_accuracy():
     # 300 items: the binomial standard error is at most 0.029; allow 3 of them.
     assert abs(full - recorded["full_context_acc"]) <= 0.087, (full, recorded)
     assert abs(blind - recorded["blind_reuse_acc"]) <= 0.087, (blind, recorded)
-    # Chance is about 1/members on average (the model answers with one of B's objects).
-    assert full > 0.2
+    # The model does the task, and only with B read after A: blind reuse falls towards chance
+    # (1/MEMBERS: one of B's objects).
+    assert recorded["full_context_acc"] >= 0.95 and full >= 0.93
+    assert blind <= full - 0.3

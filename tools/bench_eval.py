@@ -32,7 +32,7 @@ import torch
 
 KAMERA_BUDGETS = (0.03, 0.06, 0.12, 0.25)
 BINDING_BUDGETS = (0.03, 0.06, 0.12, 0.25, 0.5)
-PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc")
+PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-query-int8", "kamera-alloc")
 RECOMPUTE = (("cacheblend", 0.15), ("epic", 16), ("epic", 32), ("vlcache", 0.05))
 TRACES = ("recall", "reorder", "slide")
 VL_MODELS = ("tiny-qwen2.5-vl", "tiny-qwen3-vl")
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --quick a temporary directory)")
     parser.add_argument("--binding-items", type=int, default=250, help="held-out items per seed (default 250)")
     parser.add_argument("--binding-seeds", type=int, default=4, help="held-out item sets (default 4)")
-    parser.add_argument("--smollm2-seeds", type=int, default=1, help="generated SmolLM2 cases (default 1)")
+    parser.add_argument("--smollm2-seeds", type=int, default=5, help="generated SmolLM2 cases (default 5)")
     parser.add_argument("--smollm2-queries", type=int, default=4, help="questions per SmolLM2 case (default 4)")
     parser.add_argument("--vl-seeds", type=int, default=2, help="multimodal layouts per model (default 2)")
     parser.add_argument("--binding-checkpoint", metavar="DIR", default=None,
@@ -120,11 +120,13 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
             if method == "kamera-orbit":
                 reused = [i for i in reused if i in orbit_members]
             t0 = time.perf_counter()
-            chosen = {i: em.patch_at(fits_for(method, i), int(p * _kv_bytes(ctx.canonical[i]))) for i in reused}
+            fitted, storage = (method[:-5], "int8") if method.endswith("-int8") else (method, "fp16")
+            chosen = {i: em.patch_at(fits_for(fitted, i), int(p * _kv_bytes(ctx.canonical[i])), storage)
+                      for i in reused}
             patches = [chosen.get(i) for i in range(1, len(ctx.chunks))]
             # One-time cost of this patch: the conditioned passes (origin patches) and this method's
             # decomposition (shared by its budgets), plus this budget's truncation.
-            build = time.perf_counter() - t0 + fit_s.get(method, 0.0)
+            build = time.perf_counter() - t0 + fit_s.get(fitted, 0.0)
             if method != "kamera-orbit":
                 build += sum(cond(i).seconds for i in reused)
             res = em.method_patched(ctx, method, setting, patches, build)

@@ -225,7 +225,7 @@ def test_quick_mode_end_to_end(tmp_path):
         assert (tmp_path / "results" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     binding = json.loads((tmp_path / "results" / "eval_binding.json").read_text())
     methods = {r["method"] for r in binding["summary"]}
-    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query", "kamera-alloc"}
+    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query", "kamera-query-int8", "kamera-alloc"}
     full = next(r for r in binding["summary"] if r["method"] == "full")
     assert full["kl"] <= 1e-9 and full["items"] == 40
     smol = json.loads((tmp_path / "results" / "eval_smollm2.json").read_text())

@@ -391,6 +391,15 @@ def method_prefix(ctx: Context, name: str, setting: str, pick) -> Result:
     return Result(name, setting, kv, token_layers=sum(counts), seconds=time.perf_counter() - t0)
 
 
+def method_tokens(ctx: Context, name: str, setting: str, tokens: torch.Tensor) -> Result:
+    """Recompute the given context indices in every layer (a diagnostic oracle when the caller
+    knows which tokens matter; no method can know that at reuse time)."""
+    base = placed_kv(ctx, ctx.canonical)
+    t0 = time.perf_counter()
+    kv, counts = recompute(ctx.model, ctx.cap, base, tokens.sort().values)
+    return Result(name, setting, kv, token_layers=sum(counts), seconds=time.perf_counter() - t0)
+
+
 def method_epic(ctx: Context, k: int) -> Result:
     return method_prefix(ctx, "epic", f"k={k}", lambda c, t: k)
 

@@ -599,7 +599,7 @@ def run(args: argparse.Namespace) -> int:
               f"{os.cpu_count()} CPU core(s), torch "
               f"{torch.__version__} (the page, the JSON and the plots under `results/eval_*` are rewritten "
               "by every run). Methods and what each costs are defined in `tools/eval_methods.py`; extra "
-              "bytes are patch storage (fp16 factors) as a share of the reused chunks' fp16 KV; extra "
+              "bytes are patch storage (fp16 factors; int8 with float32 scales for kamera-query-int8) as a share of the reused chunks' fp16 KV; extra "
               "compute is tokens recomputed summed over layers, as a share of re-prefilling the reused chunks.",
               "", "Anchors as implemented here: CacheBlend-style 15% (layer 0 over every reused token, then "
               "gradual filtering: at each later layer the selected tokens whose values deviate most from "

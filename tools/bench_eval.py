@@ -76,6 +76,7 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
     the context its origin patch is fitted on: its antecedent when it was appended; conds[0] is
     unused); orbit_members: context indices of the reordered set, orbit_head: the chunks read
     before it."""
+    from tools import eval_kamera as ek
     from tools import eval_methods as em
 
     model = ctx.model
@@ -92,12 +93,12 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
             if method == "kamera-orbit":
                 if not fits.get(("orbit-deltas", 0)):
                     members = [ctx.chunks[j] for j in orbit_members]
-                    deltas = em.orbit_deltas(model, orbit_head, members, [ctx.canonical[j] for j in orbit_members])
+                    deltas = ek.orbit_deltas(model, orbit_head, members, [ctx.canonical[j] for j in orbit_members])
                     fits[("orbit-deltas", 0)] = dict(zip(orbit_members, deltas))
                 source = fits[("orbit-deltas", 0)][i]
             else:
                 source = cond(i)
-            fits[(method, i)] = em.patch_fits(source, method, ctx.layout.num_kv_heads)
+            fits[(method, i)] = ek.patch_fits(source, method, ctx.layout.num_kv_heads)
             fit_s[method] = fit_s.get(method, 0.0) + time.perf_counter() - t0
         return fits[(method, i)]
 
@@ -121,7 +122,7 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
                 reused = [i for i in reused if i in orbit_members]
             t0 = time.perf_counter()
             fitted, storage = (method[:-5], "int8") if method.endswith("-int8") else (method, "fp16")
-            chosen = {i: em.patch_at(fits_for(fitted, i), int(p * _kv_bytes(ctx.canonical[i])), storage)
+            chosen = {i: ek.patch_at(fits_for(fitted, i), int(p * _kv_bytes(ctx.canonical[i])), storage)
                       for i in reused}
             patches = [chosen.get(i) for i in range(1, len(ctx.chunks))]
             # One-time cost of this patch: the conditioned passes (origin patches) and this method's
@@ -129,7 +130,7 @@ def run_context(ctx, conds: Sequence, plan, greedy: int, orbit_members: Sequence
             build = time.perf_counter() - t0 + fit_s.get(fitted, 0.0)
             if method != "kamera-orbit":
                 build += sum(cond(i).seconds for i in reused)
-            res = em.method_patched(ctx, method, setting, patches, build)
+            res = ek.method_patched(ctx, method, setting, patches, build)
         done.append((res, p if method.startswith("kamera") else None))
     # The queries are read for every method at once (one batched forward per decoding step).
     rows = em.score_many(ctx, [res for res, _ in done], greedy)
@@ -147,6 +148,7 @@ def _kv_bytes(kv) -> int:
 def binding_workload(items_per_seed: int, seeds: int, budgets: Sequence[float], log=print,
                      checkpoint: str | None = None) -> dict:
     from tools import binding as bd
+    from tools import eval_kamera as ek
     from tools import eval_methods as em
 
     model, tok = bd.load(checkpoint)
@@ -158,7 +160,7 @@ def binding_workload(items_per_seed: int, seeds: int, budgets: Sequence[float], 
         for n, item in enumerate(items):
             a, b, q, ans = bd.item_ids(tok, item)
             ctx = em.build_context(model, [em.text_chunk(a), em.text_chunk(b)], [q])
-            conds = [None, *em.conditionings(model, ctx.chunks, ctx.canonical)]
+            conds = [None, *ek.conditionings(model, ctx.chunks, ctx.canonical)]
             # Diagnostic: recompute exactly B's object tokens, where the binding lives.
             lo = ctx.bounds[1][0]
             objects = torch.tensor([lo + j for j, t in enumerate(b.tolist()) if tok.vocab[t] in bd.OBJECTS])
@@ -214,6 +216,7 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
                   cache: dict | None = None) -> list[dict]:
     """One trace of one case. `cache` (shared by the traces of a case) keeps the conditioned pass
     over the appended chunks [A, B, E1, E2]: every origin patch is fitted on it."""
+    from tools import eval_kamera as ek
     from tools import eval_methods as em
 
     cache = {} if cache is None else cache
@@ -240,7 +243,7 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
     if "conds" not in cache:
         canon = {id(c): k for c, k in zip(final, ctx.canonical)}
         canonical = [canon[id(c)] if id(c) in canon else em.encode_alone(model, c) for c in appended]
-        cache["conds"] = [None, *em.conditionings(model, appended, canonical)]
+        cache["conds"] = [None, *ek.conditionings(model, appended, canonical)]
     by_chunk = {id(c): cache["conds"][i] for i, c in enumerate(appended)}
     conds = [by_chunk[id(c)] for c in final]
     rows = run_context(ctx, conds, method_plan(budgets, orbit=trace == "reorder"), greedy,
@@ -306,6 +309,7 @@ def multimodal_workload(seeds: int, budgets, log=print) -> dict:
     """Text haystack chunks around an image needle and a frame needle (MM-NIAH-like layout):
     [text, image, text, frame, text] then a text query; KL against the re-prefill."""
     from agentwin.models.zoo import build_tiny
+    from tools import eval_kamera as ek
     from tools import eval_methods as em
 
     rows = []
@@ -318,7 +322,7 @@ def multimodal_workload(seeds: int, budgets, log=print) -> dict:
                       em.random_text_chunk(model, base + 5, 16)]
             queries = [torch.randint(3, 240, (6,), generator=torch.Generator().manual_seed(base + 6 + k)) for k in range(2)]
             ctx = em.build_context(model, chunks, queries)
-            conds = [None, *em.conditionings(model, chunks, ctx.canonical)]
+            conds = [None, *ek.conditionings(model, chunks, ctx.canonical)]
             for r in run_context(ctx, conds, method_plan(budgets, orbit=False), 0):
                 rows.append({"model": name, "seed": seed, **r})
         log(f"  {name}: {seeds} layouts done")

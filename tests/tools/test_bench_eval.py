@@ -15,6 +15,7 @@ import torch
 
 from agentwin.models.zoo import build_tiny
 from tools import bench_eval as be
+from tools import eval_kamera as ek
 from tools import eval_methods as em
 
 TOL = 1e-4
@@ -149,10 +150,10 @@ def test_vlcache_recomputes_only_image_and_frame_chunks():
 @pytest.mark.parametrize("maker", [lambda: _text_context(), lambda: _vl_context("tiny-qwen3-vl")])
 def test_full_rank_kamera_patches_reproduce_the_reprefill(maker):
     ctx = maker()
-    conds = [em.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i]) for i in range(1, len(ctx.chunks))]
+    conds = [ek.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i]) for i in range(1, len(ctx.chunks))]
     for method in ("kamera-svd", "kamera-query", "kamera-alloc"):
-        patches = [em.patch_at(em.patch_fits(c, method, ctx.layout.num_kv_heads), 10**9, "fp32") for c in conds]
-        res = em.method_patched(ctx, method, "full", patches)
+        patches = [ek.patch_at(ek.patch_fits(c, method, ctx.layout.num_kv_heads), 10**9, "fp32") for c in conds]
+        res = ek.method_patched(ctx, method, "full", patches)
         assert _max_diff(res.kv, ctx.full_kv) <= TOL, method
         row = em.score(ctx, res)
         assert row["kl"] <= 1e-8 and row["top1"] == 1.0
@@ -160,18 +161,18 @@ def test_full_rank_kamera_patches_reproduce_the_reprefill(maker):
     blind = em.score(ctx, em.method_blind(ctx))["kl"]
     for method in ("kamera-svd", "kamera-alloc"):
         budget = [int(0.12 * sum((k.numel() + v.numel()) * 2 for k, v in ctx.canonical[i])) for i in range(1, len(ctx.chunks))]
-        patches = [em.fit_patch(c, method, b) for c, b in zip(conds, budget)]
+        patches = [ek.fit_patch(c, method, b) for c, b in zip(conds, budget)]
         assert all(p.nbytes <= b for p, b in zip(patches, budget))
-    alloc = em.score(ctx, em.method_patched(ctx, "kamera-alloc", "12%", patches))
+    alloc = em.score(ctx, ek.method_patched(ctx, "kamera-alloc", "12%", patches))
     assert 0 < alloc["bytes_frac"] <= 0.12 and alloc["kl"] < blind
 
 
 @pytest.mark.parametrize("maker", [lambda: _text_context(), lambda: _vl_context("tiny-qwen2.5-vl")])
 def test_one_conditioned_pass_serves_every_chunk(maker):
     ctx = maker()
-    shared = em.conditionings(ctx.model, ctx.chunks, ctx.canonical)
+    shared = ek.conditionings(ctx.model, ctx.chunks, ctx.canonical)
     for i in range(1, len(ctx.chunks)):
-        alone = em.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i])
+        alone = ek.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i])
         assert _max_diff(shared[i - 1].deltas, alone.deltas) <= 1e-5
         for q1, q2 in zip(shared[i - 1].queries, alone.queries):
             assert float((q1 - q2).abs().max()) <= 1e-4 * max(1.0, float(q2.abs().max()))
@@ -180,11 +181,11 @@ def test_one_conditioned_pass_serves_every_chunk(maker):
 def test_orbit_deltas_average_over_orders():
     ctx = _text_context()
     members = [1, 2]
-    deltas = em.orbit_deltas(ctx.model, [ctx.chunks[0]], [ctx.chunks[i] for i in members],
+    deltas = ek.orbit_deltas(ctx.model, [ctx.chunks[0]], [ctx.chunks[i] for i in members],
                              [ctx.canonical[i] for i in members])
     # In this context's own order the orbit deficit differs from the origin deficit (it averages
     # two orders), but has its shape and is not zero.
-    origin = em.conditioning(ctx.model, ctx.chunks[:2], ctx.chunks[2], ctx.canonical[2]).deltas
+    origin = ek.conditioning(ctx.model, ctx.chunks[:2], ctx.chunks[2], ctx.canonical[2]).deltas
     assert [tuple(d[0].shape) for d in deltas[1]] == [tuple(d[0].shape) for d in origin]
     assert float(deltas[1][-1][0].abs().max()) > 0
     assert _max_diff(deltas[1], origin) > 1e-6
@@ -192,11 +193,11 @@ def test_orbit_deltas_average_over_orders():
 
 def test_unknown_patch_method_is_refused():
     ctx = _text_context()
-    cond = em.conditioning(ctx.model, ctx.chunks[:1], ctx.chunks[1], ctx.canonical[1])
+    cond = ek.conditioning(ctx.model, ctx.chunks[:1], ctx.chunks[1], ctx.canonical[1])
     with pytest.raises(ValueError, match="unknown patch method"):
-        em.patch_fits(cond, "kamera-magic")
+        ek.patch_fits(cond, "kamera-magic")
     with pytest.raises(ValueError, match="queries"):
-        em.patch_fits(cond.deltas, "kamera-query", 2)
+        ek.patch_fits(cond.deltas, "kamera-query", 2)
 
 
 def test_summaries_state_the_gap_recovered():

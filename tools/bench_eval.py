@@ -543,14 +543,19 @@ def run(args: argparse.Namespace) -> int:
             return json.loads(path.read_text())
         return None
 
-    if "binding" not in args.skip:
-        log("binding workload ...")
+    def workload(name: str, runner: Callable[[], dict], keep_rows: bool = True) -> dict | None:
+        """Run a workload and write its JSON, or (skipped) read an earlier run's."""
+        if name in args.skip:
+            return previous(name)
+        log(f"{name} workload ...")
         t0 = time.perf_counter()
-        binding = binding_workload(b_items, b_seeds, b_budgets, log, args.binding_checkpoint)
-        binding["minutes"] = (time.perf_counter() - t0) / 60
-        _dump(out_dir / "eval_binding.json", {k: v for k, v in binding.items() if k != "rows"})
-    else:
-        binding = previous("binding")
+        res = runner()
+        res["minutes"] = (time.perf_counter() - t0) / 60
+        _dump(out_dir / f"eval_{name}.json", res if keep_rows else {k: v for k, v in res.items() if k != "rows"})
+        return res
+
+    binding = workload("binding", lambda: binding_workload(b_items, b_seeds, b_budgets, log, args.binding_checkpoint),
+                       keep_rows=False)
     if binding is not None:
         s = [r for r in binding["summary"] if r["method"] != "full"]
         _plot([("accuracy vs extra bytes", s, "bytes_frac", "acc", False),
@@ -558,14 +563,7 @@ def run(args: argparse.Namespace) -> int:
               out_dir / "eval_binding.png", "Binding model: multi-hop accuracy (full context: "
               f"{next(r['acc'] for r in binding['summary'] if r['method'] == 'full'):.3f})")
         sections.append(binding_section(binding) + ["![binding accuracy](results/eval_binding.png)", ""])
-    if "smollm2" not in args.skip:
-        log("smollm2 workload ...")
-        t0 = time.perf_counter()
-        smol = smollm2_workload(s_seeds, k_budgets, greedy, max_q, log=log)
-        smol["minutes"] = (time.perf_counter() - t0) / 60
-        _dump(out_dir / "eval_smollm2.json", smol)
-    else:
-        smol = previous("smollm2")
+    smol = workload("smollm2", lambda: smollm2_workload(s_seeds, k_budgets, greedy, max_q, log=log))
     if smol is not None:
         panels = []
         for trace in TRACES:
@@ -578,14 +576,7 @@ def run(args: argparse.Namespace) -> int:
         _plot(panels[3:], out_dir / "eval_smollm2_compute.png", "SmolLM2-135M: KL vs extra compute")
         sections.append(smollm2_section(smol) + ["![KL vs bytes](results/eval_smollm2_bytes.png)", "",
                                                  "![KL vs compute](results/eval_smollm2_compute.png)", ""])
-    if "multimodal" not in args.skip:
-        log("multimodal workload ...")
-        t0 = time.perf_counter()
-        mm = multimodal_workload(vl_seeds, k_budgets, log)
-        mm["minutes"] = (time.perf_counter() - t0) / 60
-        _dump(out_dir / "eval_multimodal.json", mm)
-    else:
-        mm = previous("multimodal")
+    mm = workload("multimodal", lambda: multimodal_workload(vl_seeds, k_budgets, log))
     if mm is not None:
         panels = []
         for name in VL_MODELS:

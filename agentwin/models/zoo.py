@@ -8,6 +8,7 @@ answer quality, only about exactness of the KV algebra.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import warnings
@@ -182,15 +183,28 @@ def converted_cache_dir(gguf_path: str, dtype: torch.dtype) -> str | None:
     return os.path.join(root, "converted", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
+_MARKER = "complete.json"  # written last: the byte size of every file of a finished cache
+
+
 def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
+    """The cached model and tokenizer, or None when there is no finished cache. A cache whose
+    files do not match their recorded sizes or do not load is dropped with a warning (the caller
+    converts from GGUF again); it is never served."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not os.path.isfile(os.path.join(folder, "complete")):
+    marker = os.path.join(folder, _MARKER)
+    if not os.path.isfile(marker):
         return None
     try:
+        with open(marker) as f:
+            sizes = json.load(f)
+        for name, size in sizes.items():
+            if os.path.getsize(os.path.join(folder, name)) != size:
+                raise ValueError(f"{name} is {os.path.getsize(os.path.join(folder, name))} bytes, expected {size}")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as err:  # a damaged cache is rebuilt from the GGUF file, never trusted
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         warnings.warn(f"ignoring the converted-weights cache at {folder} ({type(err).__name__}: {err}); "
                       "converting from GGUF again", stacklevel=3)
         shutil.rmtree(folder, ignore_errors=True)
@@ -199,9 +213,9 @@ def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
 
 
 def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
-    """Write the converted model next to `folder`, then rename it into place (a reader never sees
-    a half-written cache; of two concurrent writers one wins). Failure only costs the speed-up."""
-    import json
+    """Write the converted model next to `folder`, then rename it into place: a reader never sees
+    a half-written cache, and of two concurrent writers the first rename wins (the other's copy
+    is discarded). Failure only costs the speed-up, with a warning."""
     import tempfile
 
     from safetensors.torch import save_file
@@ -225,13 +239,22 @@ def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=1, default=str)
         tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "complete"), "w") as f:
-            f.write("ok\n")
-        os.replace(tmp, folder)
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp)}
+        with open(os.path.join(tmp, _MARKER), "w") as f:
+            json.dump(sizes, f)
+        if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, _MARKER)):
+            shutil.rmtree(folder, ignore_errors=True)  # an unfinished or dropped cache
+        try:
+            os.replace(tmp, folder)
+            tmp = None
+        except OSError:
+            if not os.path.isfile(os.path.join(folder, _MARKER)):
+                raise  # not a concurrent writer that finished first
     except (OSError, ValueError, RuntimeError) as err:
         warnings.warn(f"could not keep the converted SmolLM2 weights in {parent} ({err}); "
                       "every load will convert from GGUF (set AGENTWIN_CACHE_DIR to a writable folder)",
                       stacklevel=3)
+    finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

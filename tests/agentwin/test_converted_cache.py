@@ -5,6 +5,7 @@ warning and rebuilt from the GGUF file; AGENTWIN_WEIGHT_CACHE=0 turns it off."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -28,8 +29,14 @@ def test_second_load_reads_the_cache_and_a_damaged_one_is_rebuilt(tmp_path, monk
     assert folder.startswith(str(tmp_path))
 
     model, tok = zoo.load_smollm2(torch.float32)  # converts from GGUF, keeps the result
-    assert os.path.isfile(os.path.join(folder, "complete"))
+    assert os.path.isfile(os.path.join(folder, "complete.json"))
     reference = _logits(model, tok)
+    # A second writer (another process converting at the same time) finds the cache finished:
+    # its copy is discarded without a warning and the cache stays whole.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zoo._save_converted(model, tok, folder)
+    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]
     del model
 
     cached, cached_tok = zoo.load_smollm2(torch.float32)

@@ -293,32 +293,42 @@ def build_context(model: Any, chunks: Sequence[Chunk], queries: Sequence[torch.T
         # The re-prefill: the query read after the context's full-prefill KV, at the positions a
         # single forward of [context, query] gives it.
         qpos = _join(model, [*chunks, text_chunk(q)]).positions[..., s:]
-        reference.append(query_logits(model, layout, full_kv, q, qpos))
+        logits, ids = read_after(model, layout, [full_kv], q, qpos, greedy)
+        reference.append(logits[0])
         query_pos.append(qpos)
-        reference_ids.append(greedy_ids(model, layout, full_kv, q, qpos, greedy) if greedy else torch.zeros(0, dtype=torch.long))
+        reference_ids.append(ids[0])
     return Context(model, list(chunks), list(queries), bounds, shifts, cap, full_kv, canonical, reference,
                    query_pos, reference_ids, prefill_s, specs, layout)
 
 
+def read_after(model: Any, layout: Any, kvs: Sequence[Sequence[LayerKV]], q: torch.Tensor, qpos: torch.Tensor,
+               steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query `q` read after each of `kvs` (all of one length), in one batched forward per step:
+    (its last logits `[B, V]`, then `steps` greedy tokens `[B, steps]`; 1-D or M-RoPE text
+    positions continue by one per token). Decoding one token re-reads every weight, so batching
+    the caches reads them once per step for all; rows are independent (no padding), so each row
+    is that cache's own reading."""
+    n = len(kvs)
+    cache = batched_cache(kvs, model.config, layout)
+    ids, pos = q[None].expand(n, -1), _pos_ids(qpos)
+    first, out = None, []
+    with torch.no_grad():
+        for _ in range(max(1, steps)):
+            p = pos.expand(*pos.shape[:-2], n, pos.shape[-1]) if pos.dim() == 3 else pos.expand(n, -1)
+            last = model(input_ids=ids, position_ids=p, cache=cache, use_cache=True,
+                         logits_to_keep=1).logits[:, -1].float()
+            first = last if first is None else first
+            if not steps:
+                break
+            nxt = last.argmax(-1)
+            out.append(nxt)
+            ids, pos = nxt[:, None], pos[..., -1:] + 1
+    return first, torch.stack(out, 1) if out else torch.zeros(n, 0, dtype=torch.long)
+
+
 def query_logits(model: Any, layout: Any, kv: Sequence[LayerKV], q: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
     """Last logits of query `q` read after a cache holding `kv`, at positions `qpos`."""
-    cache = build_cache(kv, model.config, layout)
-    with torch.no_grad():
-        return model(input_ids=q[None], position_ids=_pos_ids(qpos), cache=cache, use_cache=True).logits[0, -1].float()
-
-
-def greedy_ids(model: Any, layout: Any, kv: Sequence[LayerKV], q: torch.Tensor, qpos: torch.Tensor, steps: int) -> torch.Tensor:
-    """`steps` greedy tokens after [kv, q] (1-D or M-RoPE text positions continue by one per token)."""
-    cache = build_cache(kv, model.config, layout)
-    ids, pos, out = q, qpos, []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(input_ids=ids[None], position_ids=_pos_ids(pos), cache=cache, use_cache=True).logits[0, -1]
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            ids = torch.tensor([nxt])
-            pos = pos[..., -1:] + 1
-    return torch.tensor(out, dtype=torch.long)
+    return read_after(model, layout, [kv], q, qpos, 0)[0][0]
 
 
 def kl_div(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -465,32 +475,8 @@ def batched_cache(kvs: Sequence[Sequence[LayerKV]], config: Any, layout: Any) ->
 
 
 def read_queries(ctx: Context, kvs: Sequence[Sequence[LayerKV]], greedy: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per query: (last logits `[B, V]`, greedy ids `[B, greedy]`) of the query read after each of
-    `kvs`, in one batched forward per step. Decoding one token re-reads every weight; batching the
-    methods' caches reads them once per step for all of them. Rows are independent (same length,
-    no padding), so each row is that cache's own reading."""
-    out = []
-    n = len(kvs)
-    for q, qpos in zip(ctx.queries, ctx.query_pos):
-        cache = batched_cache(kvs, ctx.model.config, ctx.layout)
-        ids = q[None].expand(n, -1)
-        pos = _pos_ids(qpos)
-        steps: list[torch.Tensor] = []
-        with torch.no_grad():
-            logits = None
-            for step in range(max(1, greedy)):
-                p = pos.expand(*pos.shape[:-2], n, pos.shape[-1]) if pos.dim() == 3 else pos.expand(n, -1)
-                last = ctx.model(input_ids=ids, position_ids=p, cache=cache, use_cache=True,
-                                 logits_to_keep=1).logits[:, -1].float()
-                if logits is None:
-                    logits = last
-                if not greedy:
-                    break
-                nxt = last.argmax(-1)
-                steps.append(nxt)
-                ids, pos = nxt[:, None], pos[..., -1:] + 1
-        out.append((logits, torch.stack(steps, 1) if steps else torch.zeros(n, 0, dtype=torch.long)))
-    return out
+    """`read_after` of each of the context's queries, for every cache of `kvs` at once."""
+    return [read_after(ctx.model, ctx.layout, kvs, q, qpos, greedy) for q, qpos in zip(ctx.queries, ctx.query_pos)]
 
 
 def score_many(ctx: Context, results: Sequence[Result], greedy: int = 0, batch: int = 12) -> list[dict]:

@@ -1,27 +1,35 @@
-"""The reversible window: ordered chunks whose KV is reused by relocation plus antecedent patches.
+"""The reversible window: ordered chunks whose KV is read in place by segment attention.
 
-Each chunk is encoded once alone (canonical KV, chunk-local frame). Its KV in the window is
-`R(start) · (canonical + patch)`, where the patch restores what its antecedent (the chunks before
-it) told it. Patches are keyed by the antecedent's chunk keys, so returning to a state seen before
-(a recall to the old slot) finds its patch again.
+Each chunk is encoded once alone (canonical KV, chunk-local frame, held by the store). Its KV in
+the window is `R(start) · (canonical + patch)`, where the patch restores what its antecedent (the
+chunks before it) told it; attention applies R(start) to the few query rows instead of the keys
+(`agentwin.models.segments`), so placing, moving and recalling a chunk writes no KV bytes. Patches
+are keyed by the antecedent's chunk keys, so returning to a state seen before (a recall to the old
+slot) finds its patch again.
+
+Append runs the chunk's in-context pass (its ordinary prefill, after the window read in place)
+and serves that exact KV while the chunk keeps its place and antecedent; the patch for later
+placements is fitted from that same pass. The canonical encode runs once per content (for the
+first chunk of a window it is the in-context pass itself). A chunk whose canonical KV and patch
+for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies:
-- "none": blind reuse, no patch.
+- "none": blind reuse, no patch (append encodes a new chunk alone and serves that).
 - "origin": the patch fitted when the chunk was appended; for an antecedent never seen, that
   origin patch is reused as an approximation (with `rank=None` a fresh exact patch is computed).
 - "orbit": each chunk keeps the mean of its deficits over the distinct antecedents it was
   conditioned on (at append, and under sampled orders of the window by `fit_orbit`; coming first
   counts once, as a zero deficit); an antecedent without its own patch gets the low-rank fit of
   that mean, which serves all orders of the same chunks instead of the one it was appended after.
-- "fresh": every new antecedent gets its own patch from a conditioned pass (costs that pass).
+- "fresh": every new antecedent gets its own pass (costs that pass; its exact KV is then served).
 `rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
 recalled or `touch`ed least recently) until the new one fits; `slide()` does the same on demand.
-
-Materialisation is incremental: a chunk whose antecedent and start are unchanged keeps its placed
-KV; one whose start moved is re-rotated; only a new antecedent costs a conditioned pass.
+An evicted chunk leaves nothing in the window but its key and small metadata: its KV and patches
+stay in the store's tiers under the store's budgets, and a recall reads them back (or encodes the
+chunk again, counted, if the store dropped it).
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ from typing import Any, NewType, Sequence, Union
 import torch
 
 from agentwin.models.adapter import ChunkInput, KameraModel
-from agentwin.models.kv import LayerKV, build_cache_parts, concat_kv, relocate_kv
+from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import VisionChunk
+from kamera_core.segment import Segment
 from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
                             tensors_to_patch)
 from kamera_core import patch as kp
@@ -104,20 +113,39 @@ class _Chunk:
     key: ChunkKey
     inputs: ChunkInput  # text ids (T,) or a VisionChunk
     ids: torch.Tensor  # (T,)
-    canonical: list[LayerKV]  # chunk-local frame
+    span: int  # position units
     origin: tuple[ChunkKey, ...]  # antecedent keys when appended
     slot: int  # index in the window when last present (recall's default place)
+    summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
+    # Held only while the chunk is in the window (dropped at evict):
+    canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
+    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None  # (antecedent, start, in-context KV)
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
-    orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # summed deficits ("orbit" policy)
+    served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
+    # "orbit" policy only: summed deficits over the antecedents seen (kept across evictions)
+    orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     orbit_seen: set[tuple[ChunkKey, ...]] = field(default_factory=set)
     orbit_patch: kp.ChunkPatch | None = None  # fit of the mean; None when stale
-    placed: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None  # (antecedent, start, KV)
+
+
+FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit")
 
 
 @dataclass
 class WindowStats:
-    """Counters and times of one window; `prefill_tokens_avoided` counts tokens whose KV came from
-    relocation + patch instead of a forward pass."""
+    """Counters and times of one window.
+
+    forwards / forward_tokens: model forwards run by this window and the tokens they computed,
+        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
+        window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
+        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`).
+    relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
+        chunk at that placement; `prefill_tokens_avoided` counts their tokens. A chunk served from
+        a pass this window ran (append, conditioned pass) is never counted there.
+    held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
+        in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
+        store's tiers (RAM, disk, device bytes) at the last stats() call.
+    """
 
     patch_hits: int = 0
     patch_misses: int = 0
@@ -131,8 +159,15 @@ class WindowStats:
     encoder_calls: int = 0  # vision-tower runs
     encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
     patch_bytes: int = 0
+    held_bytes: int = 0
+    forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     store: object = None  # StoreStats at the last stats() call
+
+
+def _nbytes(kv: Sequence[LayerKV] | None) -> int:
+    return 0 if kv is None else sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
 
 class Window:
@@ -175,7 +210,9 @@ class Window:
 
     def append(self, content: Content, pin: bool = False) -> ChunkId:
         """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
-        evicts the oldest unpinned chunks past `budget_tokens`."""
+        evicts the oldest unpinned chunks past `budget_tokens`. Runs the chunk's in-context pass
+        (and its canonical encode, once per content) unless the store already holds both its
+        canonical KV and its patch for this antecedent."""
         t0 = time.perf_counter()
         content = Text(content) if isinstance(content, str) else content
         inputs, key = self._prepare(content)  # raises before anything changes
@@ -183,13 +220,27 @@ class Window:
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
-        canonical = self._canonical(key, inputs)
         for victim in victims:
             self.evict(victim)
         antecedent = self._keys(self._order)
-        chunk = _Chunk(ChunkId(self._next_id), key, inputs, ids, canonical, antecedent, len(self._order))
-        if self.policy != "none" and self._stored_patch(chunk, antecedent) is None:
-            self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, self._order))
+        chunk = _Chunk(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), antecedent, len(self._order))
+        stored = self._load_canonical(key, int(ids.numel()))
+        start, first = self._span(self._order), self.tokens()
+        forwards = self._num_forwards()
+        if stored is not None and (not antecedent or self.policy == "none"
+                                   or self._stored_patch(chunk, antecedent) is not None):
+            chunk.canonical = stored  # everything needed is stored: no forward
+        elif self.policy == "none" or not antecedent:
+            # Blind reuse, or nothing before it: the chunk alone is all there is to compute.
+            chunk.canonical = self._put_canonical(chunk, self._encode(chunk))
+        else:
+            exact = self._pass(chunk, self._order, start, first, "in_context")
+            chunk.exact = (antecedent, start, exact)
+            chunk.canonical = stored if stored is not None else self._put_canonical(chunk, self._encode(chunk))
+            self._keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
+        if self._num_forwards() != forwards:
+            chunk.served = (antecedent, start)  # computed here: not a reuse
+        chunk.summary = _summary(chunk.canonical)
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)
@@ -200,10 +251,14 @@ class Window:
         return chunk.id
 
     def evict(self, chunk_id: ChunkId) -> None:
-        """Take a chunk out of the window; its canonical KV and patches stay for a recall."""
+        """Take a chunk out of the window. The window lets go of its KV and patches; they stay in
+        the store's tiers (under the store's budgets) for a recall."""
         self._require_in_window(chunk_id)
         index = self._order.index(chunk_id)
-        self._chunks[chunk_id].slot = index
+        chunk = self._chunks[chunk_id]
+        chunk.slot = index
+        chunk.canonical = chunk.exact = chunk.served = None
+        chunk.patches.clear()
         self._order.pop(index)
         self._pinned.discard(chunk_id)
         self._used.pop(chunk_id, None)
@@ -266,6 +321,7 @@ class Window:
                 continue
             seen.add(order)
             kv = self.km.prefill_kv([self._chunks[c].inputs for c in order])
+            self._count("orbit", sum(int(self._chunks[c].ids.numel()) for c in order))
             start = token = 0
             for index, cid in enumerate(order):
                 chunk = self._chunks[cid]
@@ -273,10 +329,10 @@ class Window:
                 if index:
                     placed = [(k[token:token + n], v[token:token + n]) for k, v in kv]
                     local = relocate_kv(placed, self.km.specs, self.km.layout, -start)
-                    self._add_orbit(chunk, self._keys(order[:index]), kp.deficit(local, chunk.canonical))
+                    self._add_orbit(chunk, self._keys(order[:index]), kp.deficit(local, self._hold(chunk)))
                 else:
                     self._add_orbit(chunk, (), None)
-                start += self.km.span(chunk.inputs)
+                start += chunk.span
                 token += n
         self._stats.seconds["fit_orbit"] += time.perf_counter() - t0
         return len(seen)
@@ -320,12 +376,13 @@ class Window:
         return self.km.reference_inputs(parts)
 
     def next_token_logprobs(self, query: str) -> torch.Tensor:
-        """`[vocab]` float32 log-probabilities of the token after `query`, from the reused cache."""
+        """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
+        read in place (segment attention)."""
         t0 = time.perf_counter()
         ids = self._query_ids(query)
-        parts, length = self._materialize_parts()
-        cache = build_cache_parts(parts, self.km.model.config, self.km.layout) if parts else None
-        logits = self.km.query_logits(cache, length, ids)
+        cache = self._cache(self._order)
+        logits = self.km.query_logits(cache, self._span(self._order), ids)
+        self._count("query", int(ids.numel()))
         self._stats.seconds["next_token_logprobs"] += time.perf_counter() - t0
         return torch.log_softmax(logits, -1)
 
@@ -336,22 +393,27 @@ class Window:
         return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
     def generate(self, query: str, max_new_tokens: int = 32) -> str:
-        """Greedy continuation of `query` read after the reused cache."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        """Greedy continuation of `query` read after the window's KV (in place); each decoded
+        token's KV joins the cache's tail, nothing else is copied."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        parts, length = self._materialize_parts()
-        cache = build_cache_parts(parts, self.km.model.config, self.km.layout) if parts else None
-        ids, position, out = self._query_ids(query), length, []
+        t0 = time.perf_counter()
+        ids = self._query_ids(query)
+        cache = self._cache(self._order)
+        position, out, kind = self._span(self._order), [], "query"
         eos = getattr(self.km.model.config, "eos_token_id", None)
+        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         for _ in range(max_new_tokens):
-            result = self.km.forward(ids, position, cache)
-            cache = result.cache  # the forward appended to it (or created it for an empty window)
+            result = self.km.forward(ids, position, cache, logits_to_keep=1)
+            self._count(kind, int(ids.numel()))
+            kind = "decode"
             position += int(ids.numel())
             token = int(result.logits[0, -1].argmax())
-            if token == eos:
+            if token in eos:
                 break
             out.append(token)
             ids = torch.tensor([token])
+        self._stats.seconds["generate"] += time.perf_counter() - t0
         return self.km.tokenizer.decode(out)
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
@@ -361,11 +423,17 @@ class Window:
         summary of any token ids)."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
-        return _summary(self._chunks[chunk_id].canonical)
+        return self._chunks[chunk_id].summary
 
     def stats(self) -> WindowStats:
         """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""
         self._stats.store = self.store.stats()
+        held = 0
+        for cid in self._order:
+            c = self._chunks[cid]
+            held += _nbytes(c.canonical) + (_nbytes(c.exact[2]) if c.exact else 0)
+            held += sum(p.nbytes for p in c.patches.values())
+        self._stats.held_bytes = held
         return self._stats
 
     def check_integrity(self) -> None:
@@ -377,8 +445,12 @@ class Window:
         if not self._pinned <= set(self._order):
             raise RuntimeError("a pinned chunk is not in the window; this indicates a bug")
         for c in self._chunks.values():
-            if len(c.canonical) != len(self.km.specs) or c.canonical[0][0].shape[0] != c.ids.numel():
-                raise RuntimeError(f"chunk {c.id} canonical KV does not match its tokens; this indicates a bug")
+            held = [kv for kv in (c.canonical, c.exact[2] if c.exact else None) if kv is not None]
+            if c.id not in self._order and (held or c.patches):
+                raise RuntimeError(f"evicted chunk {c.id} still holds KV; this indicates a bug")
+            for kv in held:
+                if len(kv) != len(self.km.specs) or kv[0][0].shape[0] != c.ids.numel():
+                    raise RuntimeError(f"chunk {c.id} KV does not match its tokens; this indicates a bug")
         if self.tokens() > self.budget_tokens and len(self._order) > len(self._pinned):
             raise RuntimeError("the window exceeds its token budget; this indicates a bug")
 
@@ -419,23 +491,60 @@ class Window:
                              "the pinned chunks take the rest; unpin one or raise the budget")
         return victims
 
-    def _conditioned_patch(self, chunk: _Chunk, antecedent: Sequence[ChunkId]) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent`, from one conditioned pass on the materialised prefix."""
+    def _count(self, kind: str, tokens: int) -> None:
+        self._stats.forwards[kind] += 1
+        self._stats.forward_tokens[kind] += tokens
+
+    def _num_forwards(self) -> int:
+        return sum(self._stats.forwards.values())
+
+    def _span(self, order: Sequence[ChunkId]) -> int:
+        """Position units taken by `order` (where the next chunk or the query starts)."""
+        return sum(self._chunks[c].span for c in order)
+
+    def _encode(self, chunk: _Chunk) -> list[LayerKV]:
+        """The chunk alone in its chunk-local frame (one forward, counted)."""
         t0 = time.perf_counter()
-        prefix, span = self._materialize(antecedent)
-        after = self.km.encode_after(prefix, span, chunk.inputs, self._features)
-        conditioned = relocate_kv(after, self.km.specs, self.km.layout, -span)
-        deltas = kp.deficit(conditioned, chunk.canonical)
+        kv = self.km.encode(chunk.inputs, self._features)
+        self._count("encode", int(chunk.ids.numel()))
+        self._stats.seconds["encode"] += time.perf_counter() - t0
+        return kv
+
+    def _pass(self, chunk: _Chunk, antecedent: Sequence[ChunkId], start: int, first: int, kind: str) -> list[LayerKV]:
+        """KV of `chunk` at `start` (token index `first`) read after `antecedent` in place: one
+        forward of the chunk's tokens (its prefill there), counted as `kind`."""
+        t0 = time.perf_counter()
+        kv = self.km.encode_after(self._segments(antecedent), first, start, chunk.inputs, self._features)
+        self._count(kind, int(chunk.ids.numel()))
+        self._stats.seconds[kind] += time.perf_counter() - t0
+        return kv
+
+    def _fit_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
+                   start: int) -> kp.ChunkPatch:
+        """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`)."""
+        t0 = time.perf_counter()
+        local = relocate_kv(exact, self.km.specs, self.km.layout, -start)
+        deltas = kp.deficit(local, self._hold(chunk))
         if self.policy == "orbit":
-            self._add_orbit(chunk, self._keys(antecedent), deltas)
+            self._add_orbit(chunk, antecedent, deltas)
         if self.rank is None:
             patch = kp.exact_patch(deltas)
         else:
             patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
-        self._stats.conditioned_passes += 1
         self._stats.patch_bytes += patch.nbytes
-        self._stats.seconds["conditioned_pass"] += time.perf_counter() - t0
+        self._stats.seconds["fit_patch"] += time.perf_counter() - t0
         return patch
+
+    def _conditioned_patch(self, chunk: _Chunk, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
+        """The patch of `chunk` after `antecedent_ids` from one conditioned pass; the pass's exact
+        KV is kept and served while the chunk stays at that place."""
+        antecedent = self._keys(antecedent_ids)
+        start = self._span(antecedent_ids)
+        first = sum(int(self._chunks[c].ids.numel()) for c in antecedent_ids)
+        exact = self._pass(chunk, antecedent_ids, start, first, "conditioned")
+        self._stats.conditioned_passes += 1
+        chunk.exact = (antecedent, start, exact)
+        return self._fit_patch(chunk, antecedent, exact, start)
 
     def _patch_for(self, chunk: _Chunk, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
         antecedent = self._keys(antecedent_ids)
@@ -462,7 +571,7 @@ class Window:
         chunk.orbit_seen.add(antecedent)
         if chunk.orbit is None:
             chunk.orbit = [(torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
-                           for k, v in chunk.canonical]
+                           for k, v in self._hold(chunk)]
         if deltas is not None:
             for (sk, sv), (dk, dv) in zip(chunk.orbit, deltas):
                 sk += dk.float()
@@ -474,7 +583,7 @@ class Window:
         if chunk.orbit_patch is None:
             n = len(chunk.orbit_seen)
             mean = [(k / n, v / n) for k, v in chunk.orbit]
-            rank = self.rank or max(t.shape[0] for t in chunk.canonical[0])
+            rank = self.rank or max(t.shape[0] for t in self._hold(chunk)[0])
             chunk.orbit_patch = kp.build_patch(mean, [(rank, rank)] * len(mean), "svd", storage=self.storage)
             self._stats.patch_bytes += chunk.orbit_patch.nbytes
         return chunk.orbit_patch
@@ -507,18 +616,35 @@ class Window:
             self._stats.encoder_hits += 1
         return out
 
-    def _canonical(self, key: ChunkKey, inputs: ChunkInput) -> list[LayerKV]:
-        """Canonical KV from the store, or encoded alone once and stored."""
-        ids = self.km.ids(inputs)
+    def _load_canonical(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
+        """Canonical KV from the store (the store's own tensors, not copies), or None."""
         hit = self.store.get(key)
-        if hit is not None:
-            self._stats.canonical_hits += 1
-            self._stats.encode_tokens_avoided += int(ids.numel())
-            return tensors_to_kv(hit[0])
-        kv = self.km.encode(inputs, self._features)
-        modality = inputs.kind if isinstance(inputs, VisionChunk) else "text"
-        self.store.put(key, kv_to_tensors(kv), {"modality": modality, "tokens": int(ids.numel())})
+        if hit is None:
+            return None
+        kv = tensors_to_kv(hit[0])
+        if len(kv) != len(self.km.specs) or kv[0][0].shape[0] != tokens:
+            raise RuntimeError(f"store entry {key} does not hold this chunk's KV ({len(kv)} layers, "
+                               f"{kv[0][0].shape[0] if kv else 0} tokens); this indicates a bug")
+        self._stats.canonical_hits += 1
+        self._stats.encode_tokens_avoided += tokens
         return kv
+
+    def _put_canonical(self, chunk: _Chunk, kv: list[LayerKV]) -> list[LayerKV]:
+        """Store freshly encoded canonical KV; returns the store's copy (so the window and the
+        store's RAM tier share one set of bytes), or `kv` itself when the store keeps it on disk only."""
+        modality = chunk.inputs.kind if isinstance(chunk.inputs, VisionChunk) else "text"
+        self.store.put(chunk.key, kv_to_tensors(kv), {"modality": modality, "tokens": int(chunk.ids.numel())})
+        hit = self.store.get(chunk.key)
+        return tensors_to_kv(hit[0]) if hit is not None else kv
+
+    def _hold(self, chunk: _Chunk) -> list[LayerKV]:
+        """The chunk's canonical KV, read from the store when the window does not hold it (after
+        a recall), encoded again (counted) when the store no longer has it."""
+        if chunk.canonical is None:
+            chunk.canonical = self._load_canonical(chunk.key, int(chunk.ids.numel()))
+            if chunk.canonical is None:
+                chunk.canonical = self._put_canonical(chunk, self._encode(chunk))
+        return chunk.canonical
 
     def _patch_key(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:
         return patch_key(chunk.key, antecedent, self.rank, "exact" if self.rank is None else f"svd-{self.storage}")
@@ -538,32 +664,37 @@ class Window:
         self.store.put(self._patch_key(chunk, antecedent), *patch_to_tensors(patch))
         return patch
 
-    def _materialize(self, order: Sequence[ChunkId] | None = None) -> tuple[list[LayerKV], int]:
-        """Placed KV of `order` (default: the window) and its span in position units (where the
-        next chunk or the query starts; the token count for text)."""
-        parts, span = self._materialize_parts(order)
-        return (concat_kv(*parts) if parts else []), span
-
-    def _materialize_parts(self, order: Sequence[ChunkId] | None = None) -> tuple[list[list[LayerKV]], int]:
-        """Each chunk's placed KV (not concatenated) of `order`, and their span."""
+    def _segments(self, order: Sequence[ChunkId]) -> list[list[Segment]]:
+        """Per layer, the segments of `order` as placed one after another from position 0: a
+        chunk's exact in-context KV where it still has the place and antecedent it was computed
+        for, else its canonical KV with the placement shift and its patch for that antecedent.
+        Nothing is copied."""
         t0 = time.perf_counter()
-        order = self._order if order is None else list(order)
-        parts, start = [], 0
+        layers: list[list[Segment]] = [[] for _ in self.km.specs]
+        start = first = 0
         for index, cid in enumerate(order):
             chunk = self._chunks[cid]
             antecedent = self._keys(order[:index])
-            if chunk.placed is not None and chunk.placed[0] == antecedent and chunk.placed[1] == start:
-                kv = chunk.placed[2]
+            patch, forwards = None, self._num_forwards()
+            if chunk.exact is None or chunk.exact[:2] != (antecedent, start):
+                chunk.exact = None
+                patch = self._patch_for(chunk, order[:index])  # may run a conditioned pass (sets exact)
+            if chunk.exact is not None and chunk.exact[:2] == (antecedent, start):
+                for layer, (k, v) in zip(layers, chunk.exact[2]):
+                    layer.append(Segment(k, v, first, 0))
             else:
-                passes = self._stats.conditioned_passes
-                patch = self._patch_for(chunk, order[:index])
-                local = chunk.canonical if patch is None else kp.apply_patch(chunk.canonical, patch)
-                kv = relocate_kv(local, self.km.specs, self.km.layout, start)
-                chunk.placed = (antecedent, start, kv)
-                self._stats.relocations += 1
-                if self._stats.conditioned_passes == passes:  # no forward pass was spent on it
+                canonical = self._hold(chunk)
+                for i, (layer, (k, v)) in enumerate(zip(layers, canonical)):
+                    layer.append(Segment(k, v, first, start, None if patch is None else patch.layers[i]))
+                if chunk.served != (antecedent, start) and self._num_forwards() == forwards:
+                    self._stats.relocations += 1
                     self._stats.prefill_tokens_avoided += int(chunk.ids.numel())
-            parts.append(kv)
-            start += self.km.span(chunk.inputs)
-        self._stats.seconds["materialize"] += time.perf_counter() - t0
-        return parts, start
+            chunk.served = (antecedent, start)
+            start += chunk.span
+            first += int(chunk.ids.numel())
+        self._stats.seconds["segments"] += time.perf_counter() - t0
+        return layers
+
+    def _cache(self, order: Sequence[ChunkId]) -> object:
+        """A `SegmentCache` over `order`, its tail starting after the chunks' tokens."""
+        return self.km.cache(self._segments(order), sum(int(self._chunks[c].ids.numel()) for c in order))

@@ -16,39 +16,22 @@ with its `EncoderCache`, so the tower runs once per distinct image.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from agentwin.models.kv import LayerKV, build_cache, extract_kv
+from agentwin.models.kv import LayerKV, extract_kv
+from agentwin.models.segments import ATTENTION, SegmentCache, register
 from agentwin.models.vision import (VisionChunk, VisionPreparer, encoder_outputs, is_qwen_vl, rope_positions,
                                     vision_features)
-from kamera_core import kv_layout, model_name, rope_specs
+from kamera_core import UnsupportedModelError, kv_layout, model_name, rope_specs
+from kamera_core.segment import Segment
 
 ChunkInput = Union[torch.Tensor, VisionChunk]
 Features = Callable[[VisionChunk], dict]
 
 
-@contextlib.contextmanager
-def _grouped_sdpa() -> Iterator[None]:
-    """Lets transformers' SDPA attention read grouped KV heads directly (`enable_gqa`) instead of
-    first copying every KV head once per query head (`repeat_kv`). Outputs are identical; after a
-    long cache the copy is most of a short query's attention time on CPU."""
-    before = os.environ.get(_FORCE_GQA)
-    os.environ[_FORCE_GQA] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_FORCE_GQA, None)
-        else:
-            os.environ[_FORCE_GQA] = before
-
-
-_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 class ByteTokenizer:
@@ -83,12 +66,33 @@ class KameraModel:
                              "image and frame chunks need Qwen2-VL, Qwen2.5-VL or Qwen3-VL (a text model works too)")
         self.specs = list(rope_specs(model.config))  # refuses what cannot be relocated exactly
         self.layout = kv_layout(model.config)
+        self._use_segment_attention()
         if tokenizer is None and processor is not None:
             tokenizer = getattr(processor, "tokenizer", None)
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(int(text_config.vocab_size))
         self.vision = VisionPreparer(model, self.tokenize, processor) if self.is_vlm else None
         self.fingerprint = self._fingerprint()
+
+    def _use_segment_attention(self) -> None:
+        """Select agentwin's attention (`agentwin.models.segments`) for the decoder, through
+        transformers' public `set_attn_implementation`; a vision tower keeps its own. Refuses
+        (UnsupportedModelError) a model that cannot take it, or whose attention it cannot
+        reproduce exactly (logit soft-capping, attention sinks)."""
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        for attr, what in (("attn_logit_softcapping", "attention logit soft-capping"),):
+            if getattr(text, attr, None) is not None:
+                raise UnsupportedModelError(f"{self.name}: {what} is not supported by agentwin's segment attention")
+        if any(hasattr(m, "sinks") for m in self.model.modules()):
+            raise UnsupportedModelError(f"{self.name}: attention sinks are not supported by agentwin's segment attention")
+        register()
+        if not self.model._can_set_attn_implementation():
+            raise UnsupportedModelError(f"{self.name}: the model does not dispatch attention through transformers' "
+                                        "AttentionInterface, so agentwin cannot serve its KV in place")
+        if self.is_vlm:
+            self.model.set_attn_implementation({"text_config": ATTENTION})
+        else:
+            self.model.set_attn_implementation(ATTENTION)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: torch.dtype = torch.float32) -> "KameraModel":
@@ -119,7 +123,7 @@ class KameraModel:
             model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
             return cls(model, processor.tokenizer, name=name_or_path, processor=processor)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
         return cls(model, tokenizer, name=name_or_path)
 
     def _fingerprint(self) -> str:
@@ -180,18 +184,34 @@ class KameraModel:
         positions = torch.arange(start, start + int(chunk.shape[0]))[None]
         return positions.expand(3, 1, -1) if self.is_vlm else positions
 
+    def cache(self, segments_per_layer: Sequence[Sequence[Segment]] | None = None, first: int = 0) -> Any:
+        """A `SegmentCache` holding `segments_per_layer[i]` for layer i (default none), its tail
+        starting at token index `first` (the tokens the segments hold)."""
+        if segments_per_layer is None:
+            segments_per_layer = [()] * len(self.specs)
+        return SegmentCache(segments_per_layer, first, self.specs, self.layout)
+
     def forward(self, chunk: ChunkInput, start: int, cache: Any = None, features: Features | None = None,
                 logits_to_keep: int = 0) -> Any:
-        """The model's forward of one chunk placed at `start`, after `cache`. Vision-tower outputs
-        come from `features(chunk)` (default: run the tower). logits_to_keep: 0 all, n the last n."""
+        """The model's forward of one chunk placed at `start` (position units), after `cache` (a
+        `SegmentCache`; default an empty one). Vision-tower outputs come from `features(chunk)`
+        (default: run the tower). logits_to_keep: 0 all, n the last n. The cache's tail grows by
+        the chunk's KV (`cache.tail_kv()`)."""
+        cache = self.cache() if cache is None else cache
+        if not isinstance(cache, SegmentCache):
+            raise TypeError(f"cache must be a SegmentCache (KameraModel.cache()), got {type(cache).__name__}")
+        if cache.specs != tuple(self.specs) or cache.layout != self.layout:
+            raise ValueError(f"the cache was built for another model (its RoPE specs or KV layout differ from "
+                             f"{self.name}'s); build it with this model's KameraModel.cache()")
         kw: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         if isinstance(chunk, VisionChunk):
             tensors = (features or self.features)(chunk)
-            kw = {"mm_encoder_outputs": encoder_outputs(self.model, chunk, tensors), "mm_token_type_ids": chunk.mm_type[None]}
+            kw = {**kw, "mm_encoder_outputs": encoder_outputs(self.model, chunk, tensors),
+                  "mm_token_type_ids": chunk.mm_type[None]}
         ids = self.ids(chunk)
-        with torch.no_grad(), _grouped_sdpa():
+        with torch.no_grad():
             return self.model(input_ids=ids[None], position_ids=self._positions(chunk, start), cache=cache,
-                              use_cache=True, **kw)
+                              segment_cache=cache, use_cache=True, **kw)
 
     def reference_inputs(self, parts: Sequence[ChunkInput]) -> dict[str, torch.Tensor]:
         """Keyword arguments of a plain re-prefill of `parts` (`input_ids` `[1, T]`, and for vision
@@ -215,43 +235,45 @@ class KameraModel:
 
     def reference_forward(self, parts: Sequence[ChunkInput]) -> Any:
         """The model's own forward over the whole sequence of `parts`, positions computed by the
-        model itself from the token types and grids: what a plain re-prefill does."""
+        model itself from the token types and grids: what a plain re-prefill does (no segments:
+        transformers' SDPA attention with its own masks)."""
         with torch.no_grad():
             return self.model(use_cache=False, **self.reference_inputs(parts))
 
     def prefill_kv(self, parts: Sequence[ChunkInput]) -> list[LayerKV]:
         """Token-major KV of a plain forward over the whole sequence of `parts` (positions by the
-        model's own rules): every chunk's KV conditioned on the chunks before it."""
+        model's own rules): every chunk's KV conditioned on the chunks before it. Every token's
+        KV is kept, sliding-window layers included."""
+        cache = self.cache()
         with torch.no_grad():
-            out = self.model(use_cache=True, **self.reference_inputs(parts))
-        return [(k.clone(), v.clone()) for k, v in extract_kv(out.cache, self.layout)]
+            self.model(use_cache=True, cache=cache, segment_cache=cache, **self.reference_inputs(parts))
+        return [(k.clone(), v.clone()) for k, v in cache.tail_kv()]
 
     def reference_positions(self, parts: Sequence[ChunkInput]) -> torch.Tensor:
         """`[3, T]` (M-RoPE) positions the model itself assigns to the whole sequence of `parts`."""
         return rope_positions(self.model, parts)[0]
 
     def encode(self, chunk: ChunkInput, features: Features | None = None) -> list[LayerKV]:
-        """KV of the chunk alone in its chunk-local frame (start 0); owned copies."""
-        out = self.forward(chunk, 0, None, features)
-        return [(k.clone(), v.clone()) for k, v in extract_kv(out.cache, self.layout)]
+        """KV of the chunk alone in its chunk-local frame (start 0); owned contiguous copies."""
+        cache = self.cache()
+        self.forward(chunk, 0, cache, features)
+        return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def key_summary(self, ids: torch.Tensor) -> torch.Tensor:
         """`[layers, width]` float32 mean over tokens of the chunk-local keys of `ids` (MLA: c_KV),
         comparable with `Window.key_summary` for retrieval."""
         return torch.stack([k.float().mean(0).reshape(-1) for k, _ in self.encode(ids)])
 
-    def encode_after(self, prefix: Sequence[LayerKV], prefix_span: int, chunk: ChunkInput,
+    def encode_after(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, start: int, chunk: ChunkInput,
                      features: Features | None = None) -> list[LayerKV]:
-        """KV of `chunk` read after a cache of `prefix` (which spans 0..prefix_span), placed at
-        prefix_span (the conditioned pass)."""
-        cache = build_cache(prefix, self.model.config, self.layout) if prefix else None
-        tokens = int(prefix[0][0].shape[0]) if prefix else 0
-        out = self.forward(chunk, prefix_span, cache, features)
-        return [(k[tokens:].clone(), v[tokens:].clone()) for k, v in extract_kv(out.cache, self.layout)]
+        """KV of `chunk` placed at `start` (position units) and token index `first`, read after
+        the segments (the in-context or conditioned pass); owned contiguous copies at `start`."""
+        cache = self.cache(segments_per_layer, first)
+        self.forward(chunk, start, cache, features)
+        return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
-    def query_logits(self, kv: Sequence[LayerKV] | Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:
-        """Last-position logits `[vocab]` float32 of `query_ids` placed at `start`, read after a
-        cache holding `kv` (token-major KV, or a cache already built). Only the last position's
-        logits are computed."""
-        cache = kv if hasattr(kv, "get_seq_length") else (build_cache(kv, self.model.config, self.layout) if kv else None)
+    def query_logits(self, cache: Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:
+        """Last-position logits `[vocab]` float32 of `query_ids` placed at `start`, read after
+        `cache` (a `SegmentCache`, or None for nothing before). Only the last position's logits
+        are computed."""
         return self.forward(query_ids, start, cache, logits_to_keep=1).logits[0, -1].float()

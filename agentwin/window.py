@@ -119,7 +119,8 @@ class _Chunk:
     summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
     # Held only while the chunk is in the window (dropped at evict):
     canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
-    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None  # (antecedent, start, in-context KV)
+    # (antecedent, start, KV computed there): served whenever the chunk is back at that placement
+    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
     served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
     # "orbit" policy only: summed deficits over the antecedents seen (kept across evictions)
@@ -677,7 +678,6 @@ class Window:
             antecedent = self._keys(order[:index])
             patch, forwards = None, self._num_forwards()
             if chunk.exact is None or chunk.exact[:2] != (antecedent, start):
-                chunk.exact = None
                 patch = self._patch_for(chunk, order[:index])  # may run a conditioned pass (sets exact)
             if chunk.exact is not None and chunk.exact[:2] == (antecedent, start):
                 for layer, (k, v) in zip(layers, chunk.exact[2]):

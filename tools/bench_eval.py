@@ -259,15 +259,12 @@ def smollm2_trace(model, tokenizer, case, trace: str, budgets, greedy: int, max_
 
 
 def smollm2_workload(seeds: int, budgets, greedy: int, max_queries: int | None, traces=TRACES, log=print) -> dict:
-    from agentwin.models.adapter import _grouped_sdpa
     from agentwin.models.zoo import load_smollm2
 
     model, tokenizer = load_smollm2(torch.float32)
-    # SDPA reading grouped KV heads directly: the same outputs as eager attention without copying
-    # each KV head per query head, for the reference and every method alike.
-    model.config._attn_implementation = "sdpa"
-    with _grouped_sdpa():
-        return _smollm2_cases(model, tokenizer, seeds, budgets, greedy, max_queries, traces, log)
+    # SDPA (grouped KV heads read directly), for the reference and every method alike.
+    model.set_attn_implementation("sdpa")
+    return _smollm2_cases(model, tokenizer, seeds, budgets, greedy, max_queries, traces, log)
 
 
 def _smollm2_cases(model, tokenizer, seeds, budgets, greedy, max_queries, traces, log) -> dict:

@@ -5,6 +5,7 @@
     agentwin doc FILE.pdf --question Q      document navigator (the model decides every step)
     agentwin web URL --task T               web agent in headless Chromium
     agentwin video FILE --question Q        long-video loop (a vision-language model)
+    agentwin bench engine --json FILE       the KV engine: recall, decode over segments, memory of a long loop
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
     agentwin bench recall --json FILE       recall to first token vs re-prefill (SmolLM2 text, 64-frame video)
@@ -32,7 +33,7 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
-    from tools import agents_cli, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
+    from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "video", agents_cli.VIDEO, "answer a question about a video (long-video loop)")
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    _command(kinds, "engine", bench_engine, "the KV engine on SmolLM2: recall to first token, decode over segments, memory of a long loop")
     _command(kinds, "relocate", bench_relocate, "CPU relocation throughput as a ratio to a plain copy")
     _command(kinds, "patches", bench_patches, "conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)")
     _command(kinds, "eval", bench_eval, "Kamera vs blind, CacheBlend, EPIC, VLCache: accuracy and KL per byte and per compute (docs/RESULTS.md)")

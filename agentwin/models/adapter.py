@@ -74,12 +74,16 @@ class KameraModel:
         self.vision = VisionPreparer(model, self.tokenize, processor) if self.is_vlm else None
         self.fingerprint = self._fingerprint()
 
+    def _text_config(self) -> Any:
+        config = self.model.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
     def _use_segment_attention(self) -> None:
         """Select agentwin's attention (`agentwin.models.segments`) for the decoder, through
         transformers' public `set_attn_implementation`; a vision tower keeps its own. Refuses
         (UnsupportedModelError) a model that cannot take it, or whose attention it cannot
         reproduce exactly (logit soft-capping, attention sinks)."""
-        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        text = self._text_config()
         for attr, what in (("attn_logit_softcapping", "attention logit soft-capping"),):
             if getattr(text, attr, None) is not None:
                 raise UnsupportedModelError(f"{self.name}: {what} is not supported by agentwin's segment attention")
@@ -198,6 +202,11 @@ class KameraModel:
         (default: run the tower). logits_to_keep: 0 all, n the last n. The cache's tail grows by
         the chunk's KV (`cache.tail_kv()`)."""
         cache = self.cache() if cache is None else cache
+        if self._text_config()._attn_implementation != ATTENTION:
+            raise RuntimeError(f"{self.name}: the model's attention was switched to "
+                               f"{self._text_config()._attn_implementation!r} after it was wrapped; agentwin reads "
+                               f"its KV through {ATTENTION!r} attention: call model.set_attn_implementation("
+                               f"{ATTENTION!r}) or wrap the model again")
         if not isinstance(cache, SegmentCache):
             raise TypeError(f"cache must be a SegmentCache (KameraModel.cache()), got {type(cache).__name__}")
         if cache.specs != tuple(self.specs) or cache.layout != self.layout:

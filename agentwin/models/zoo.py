@@ -138,12 +138,11 @@ def build_tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, con
     if name not in TINY:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(sorted(TINY))}")
     config = config if config is not None else tiny_config(name)
-    config._attn_implementation = "eager"
     # Grouped-GEMM experts have no float64 kernel; eager experts run in every dtype.
     config._experts_implementation = "eager"
     cls = getattr(transformers, TINY[name].model_class)
     torch.manual_seed(seed)
-    model = cls._from_config(config, dtype=dtype)
+    model = cls._from_config(config, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 
@@ -203,7 +202,7 @@ def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
             if os.path.getsize(os.path.join(folder, name)) != size:
                 raise ValueError(f"{name} is {os.path.getsize(os.path.join(folder, name))} bytes, expected {size}")
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         warnings.warn(f"ignoring the converted-weights cache at {folder} ({type(err).__name__}: {err}); "
                       "converting from GGUF again", stacklevel=3)
@@ -277,8 +276,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     else:
         folder, name = os.path.split(path)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, attn_implementation="sdpa")
         if cached is not None:
             _save_converted(model, tokenizer, cached)
-    model.config._attn_implementation = "eager"
     return model.eval(), tokenizer

@@ -40,6 +40,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -93,6 +94,8 @@ class _Kernel:
         self._lib = lib  # keeps the library loaded
 
 
+_K = TypeVar("_K")
+
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {"kernel": None, "tried": False, "reason": None}
 
@@ -141,12 +144,14 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile the kernel into `target` (atomically); returns the compiler's error text or None."""
+def _build(compiler: str, flags: tuple[str, ...], target: Path, source: str = _C_SOURCE,
+           name: str = "cpu_rotate") -> str | None:
+    """Compile `source` (default: this module's kernel) into `target` (atomically); returns the
+    compiler's error text or None."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "cpu_rotate.c"
-        src.write_text(_C_SOURCE, encoding="utf-8")
+        src = Path(tmp) / f"{name}.c"
+        src.write_text(source, encoding="utf-8")
         obj = Path(tmp) / target.name
         cmd = [compiler, *_BASE_FLAGS, *flags, str(src), "-o", str(obj)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -158,6 +163,14 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
 
 def _load_kernel() -> tuple[_Kernel | None, str | None]:
     """Build (or find in the cache) and load the kernel; (kernel, None) or (None, reason)."""
+    return _load_library(_C_SOURCE, "cpu_rotate", _Kernel)
+
+
+def _load_library(source: str, name: str, make: Callable[[Path, tuple[str, ...], bool], _K]) -> tuple[_K | None, str | None]:
+    """Build C `source` with the first flag set that compiles (or find it in the cache, as
+    `<name>_<hash>.so`) and load it with `make(path, flags, cached)` (an OSError from it counts as
+    a failed build: the next flag set is tried); sets the result's `build_s`. Returns
+    (loaded, None) or (None, reason)."""
     disabled = _disabled_reason()
     if disabled:
         return None, disabled
@@ -166,15 +179,15 @@ def _load_kernel() -> tuple[_Kernel | None, str | None]:
         return None, "no C compiler found (set CC, or install gcc/clang)"
     errors = []
     for flags in _FLAG_SETS:
-        key = hashlib.sha256("\0".join((_C_SOURCE, compiler, *_BASE_FLAGS, *flags, _cpu_fingerprint())).encode())
-        target = _cache_dir() / f"cpu_rotate_{key.hexdigest()[:20]}.so"
+        key = hashlib.sha256("\0".join((source, compiler, *_BASE_FLAGS, *flags, _cpu_fingerprint())).encode())
+        target = _cache_dir() / f"{name}_{key.hexdigest()[:20]}.so"
         start = time.perf_counter()
         cached = target.exists()
         try:
-            error = None if cached else _build(compiler, flags, target)
+            error = None if cached else _build(compiler, flags, target, source, name)
             if error is None:
-                kernel = _Kernel(target, flags, cached)
-                kernel.build_s = time.perf_counter() - start
+                kernel = make(target, flags, cached)
+                kernel.build_s = time.perf_counter() - start  # type: ignore[attr-defined]
                 return kernel, None
         except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, compiler crash, bad .so
             error = f"{type(exc).__name__}: {exc}"

@@ -228,7 +228,7 @@ def segment_attention(query: Tensor, query_index: Tensor, segments: Sequence[Seg
 
 
 # Query rows up to which "auto" picks the CPU kernel on CPU tensors (set from measurement).
-CPU_KERNEL_MAX_ROWS = 0  # TODO
+CPU_KERNEL_MAX_ROWS = 16
 
 
 def _flash_state(query: Tensor, query_index: Tensor, seg: Segment, spec: RopeSpec, scaling: float,

@@ -14,9 +14,9 @@ KV and SDPA for fresh tokens, as the library runs):
   ChunkStore, so the canonical KV and the origin patch come from the store (no encode, no
   conditioned pass: checked), the segment is evicted before the window is first read (that read,
   untimed, places the other chunks where they sit without the segment), and the timed call then
-  really re-places it: the patch is applied to the canonical KV and the result re-rotated to the
-  segment's slot, the chunks after it are re-rotated back, the window's KV is concatenated into a
-  cache and the query runs through the model. The window's stats are checked after each timed
+  really places it again: segment attention reads the segment's canonical KV and patch where the
+  store holds them, at its slot, and the chunks after it back at theirs (no KV is copied), and the
+  query runs through the model. The window's stats are checked after each timed
   call (relocations of the segment and every chunk after it, no forward pass spent on them, and
   the patch served for origin).
 - blind recall: the same with `patch="none"` (no patch applied).

@@ -219,9 +219,15 @@ def send_html(handler: Any, body: str | None) -> None:
 
 def window_step(win: Any, op: str, arg: int, evicted: list, append: Any) -> None:
     """One step of a random operation sequence: "evict" drops a chunk of the window (remembered in
-    `evicted`), "recall" brings one of those back to its slot, any other op calls append(op, arg).
-    Evict and recall with nothing to act on do nothing."""
-    if op == "evict":
+    `evicted`), "recall" brings one of those back to its slot, "reorder" rotates the window by
+    `arg` places, any other op calls append(op, arg). Evict, recall and reorder with nothing to act
+    on do nothing."""
+    if op == "reorder":
+        order = win.chunks()
+        if order:
+            shift = arg % len(order)
+            win.reorder(order[shift:] + order[:shift])
+    elif op == "evict":
         if win.chunks():
             victim = win.chunks()[arg % len(win.chunks())]
             win.evict(victim)

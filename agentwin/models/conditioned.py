@@ -67,28 +67,28 @@ def _register() -> None:
     AttentionMaskInterface.register(CAPTURE, eager_mask)
 
 
-def _configs(model: Any) -> list[Any]:
-    """The decoder's config only: a vision tower keeps its own attention implementation."""
-    text = model.config.get_text_config()
-    return [text]
+def _set_decoder_attention(model: Any, name: str) -> None:
+    """Select attention `name` for the decoder only (a vision tower keeps its own), through
+    transformers' public `set_attn_implementation`."""
+    if getattr(model.config, "vision_config", None) is not None:
+        model.set_attn_implementation({"text_config": name})
+    else:
+        model.set_attn_implementation(name)
 
 
 @contextlib.contextmanager
 def capturing(model: Any, chunk_start: int, chunk_end: int) -> Iterator[_Recorder]:
     """Within the block, the model's attention records statistics for tokens [chunk_start, chunk_end)."""
     _register()
-    configs = _configs(model)
-    saved = [c._attn_implementation for c in configs]
+    saved = model.config.get_text_config()._attn_implementation
     rec = _Recorder(chunk_start, chunk_end)
     _ACTIVE.append(rec)
     try:
-        for c in configs:
-            c._attn_implementation = CAPTURE
+        _set_decoder_attention(model, CAPTURE)
         yield rec
     finally:
         _ACTIVE.pop()
-        for c, s in zip(configs, saved):
-            c._attn_implementation = s
+        _set_decoder_attention(model, saved)
 
 
 @dataclass(frozen=True, slots=True)

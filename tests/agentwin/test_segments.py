@@ -57,7 +57,7 @@ def _long_text(seed: int, words: int) -> str:
 # Gemma-3 tiny: 64-token sliding window on layer 0 (own RoPE base), global layer 1 (linear scaling).
 GEMMA_TEXTS = [_long_text(s, w) for s, w in ((0, 20), (1, 40), (2, 8), (3, 25))]  # ~100-250 tokens each
 
-gemma_ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "query"]), st.integers(0, 3)),
+gemma_ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "reorder", "query"]), st.integers(0, 3)),
                      min_size=1, max_size=8)
 
 

@@ -33,11 +33,11 @@ def _model_logprobs(km: KameraModel, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "query"]), st.integers(0, 5)),
+ops = st.lists(st.tuples(st.sampled_from(["append", "evict", "recall", "reorder", "query"]), st.integers(0, 5)),
                min_size=1, max_size=9)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-deepseek-v3", "tiny-gpt-neox"])
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-gpt-neox"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops)
 # every chunk evicted, then one recalled to its old slot 1 of an empty window (clamped to 0)

@@ -83,19 +83,27 @@ def test_image_chunk_spans_position_units_not_tokens():
 
 
 images = st.integers(0, 3)
-ops = st.lists(st.tuples(st.sampled_from(["text", "image", "evict", "recall"]), st.integers(0, 7)),
+ops = st.lists(st.tuples(st.sampled_from(["text", "image", "frames", "evict", "recall", "reorder"]), st.integers(0, 7)),
                min_size=1, max_size=8)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def _content(op: str, arg: int):
+    if op == "text":
+        return Text(TEXTS[arg % len(TEXTS)])
+    if op == "image":
+        return Image(_image(arg % 3), max_tokens=12)
+    return Frames(_frames(arg % 2, n=4), fps=2.0, min_tokens=4, max_tokens=6)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops)
-def test_qwen2_5_vl_exact_after_any_sequence(sequence):
-    km = _km("tiny-qwen2.5-vl")
+def test_qwen_vl_exact_after_any_sequence(name, sequence):
+    km = _km(name)
     win = Window(km, budget_tokens=4096, patch="origin", rank=None)
     evicted = []
     for op, arg in sequence:
-        window_step(win, op, arg, evicted, lambda op, arg: win.append(
-            Text(TEXTS[arg % len(TEXTS)]) if op == "text" else Image(_image(arg % 3), max_tokens=12)))
+        window_step(win, op, arg, evicted, lambda op, arg: win.append(_content(op, arg)))
         win.check_integrity()
         assert _gap(win, km) <= TOL
 

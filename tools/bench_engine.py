@@ -321,6 +321,8 @@ def rss_child(args: argparse.Namespace) -> dict:
         evicted = win.stats().evictions
         if rows and rows[-1]["evicted"] == evicted:
             continue
+        if evicted % 25 == 0:
+            print(f"[bench engine] rss: {evicted} chunks evicted", file=sys.stderr, flush=True)
         if evicted in checkpoints or (not rows and evicted >= checkpoints[0]):
             gc.collect()
             current, peak = _rss_kb()
@@ -338,10 +340,10 @@ def rss_part(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     cmd = [sys.executable, "-m", "tools.cli", "bench", "engine", "--rss-child", "--threads", str(args.threads),
            "--rss-chunk-tokens", str(args.rss_chunk_tokens), "--rss-budget-tokens", str(args.rss_budget_tokens),
            "--rss-store-mb", str(args.rss_store_mb)] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False,  # progress goes to stderr
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if proc.returncode != 0:
-        raise RuntimeError(f"the rss run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"the rss run failed (exit {proc.returncode}); its messages are above")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if __package__:  # imported by pytest; run as a script, the child needs no test helpers
+    from tests.kernel_children import check_case, run_cases
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -216,26 +218,7 @@ def _compile_main() -> None:
 
 
 def _run_child(mode: str, interpret: bool) -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), mode],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record.pop("id")] = record
-    if proc.returncode != 0:
-        results["__crash__"] = {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
-    return results
+    return run_cases(__file__, mode, interpret)
 
 
 @pytest.fixture(scope="module")
@@ -260,12 +243,8 @@ def _tolerance(dtype_name: str, max_ref: float) -> float:
 
 
 def _check(results: dict[str, dict], case_id: str, dtype_name: str) -> None:
-    assert "__crash__" not in results, results["__crash__"]["error"]
-    assert case_id in results, f"{case_id} not reported by the interpreter run"
-    result = results[case_id]
-    assert "error" not in result, result["error"]
-    assert result["same_shape_dtype"], "kernel output shape or dtype differs from the reference"
-    assert result["max_diff"] <= _tolerance(dtype_name, result["max_ref"]), result
+    result = results.get(case_id, {})
+    check_case(results, case_id, _tolerance(dtype_name, result.get("max_ref", 0.0)))
 
 
 @pytest.mark.parametrize("case_id", kernel_case_ids())

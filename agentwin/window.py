@@ -221,23 +221,25 @@ class Window:
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
+        forwards = self._num_forwards()
+        stored = self._load_canonical(key, int(ids.numel()))
+        # Encoded before anything changes: a chunk the model cannot take leaves the window as it was.
+        fresh = self._encode(inputs, int(ids.numel())) if stored is None else None
         for victim in victims:
             self.evict(victim)
         antecedent = self._keys(self._order)
         chunk = _Chunk(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), antecedent, len(self._order))
-        stored = self._load_canonical(key, int(ids.numel()))
         start, first = self._span(self._order), self.tokens()
-        forwards = self._num_forwards()
         if stored is not None and (not antecedent or self.policy == "none"
                                    or self._stored_patch(chunk, antecedent) is not None):
             chunk.canonical = stored  # everything needed is stored: no forward
         elif self.policy == "none" or not antecedent:
             # Blind reuse, or nothing before it: the chunk alone is all there is to compute.
-            chunk.canonical = self._put_canonical(chunk, self._encode(chunk))
+            chunk.canonical = self._put_canonical(chunk, fresh)
         else:
             exact = self._pass(chunk, self._order, start, first, "in_context")
             chunk.exact = (antecedent, start, exact)
-            chunk.canonical = stored if stored is not None else self._put_canonical(chunk, self._encode(chunk))
+            chunk.canonical = stored if stored is not None else self._put_canonical(chunk, fresh)
             self._keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
         if self._num_forwards() != forwards:
             chunk.served = (antecedent, start)  # computed here: not a reuse
@@ -503,11 +505,11 @@ class Window:
         """Position units taken by `order` (where the next chunk or the query starts)."""
         return sum(self._chunks[c].span for c in order)
 
-    def _encode(self, chunk: _Chunk) -> list[LayerKV]:
-        """The chunk alone in its chunk-local frame (one forward, counted)."""
+    def _encode(self, inputs: ChunkInput, tokens: int) -> list[LayerKV]:
+        """A chunk alone in its chunk-local frame (one forward, counted)."""
         t0 = time.perf_counter()
-        kv = self.km.encode(chunk.inputs, self._features)
-        self._count("encode", int(chunk.ids.numel()))
+        kv = self.km.encode(inputs, self._features)
+        self._count("encode", tokens)
         self._stats.seconds["encode"] += time.perf_counter() - t0
         return kv
 
@@ -644,7 +646,7 @@ class Window:
         if chunk.canonical is None:
             chunk.canonical = self._load_canonical(chunk.key, int(chunk.ids.numel()))
             if chunk.canonical is None:
-                chunk.canonical = self._put_canonical(chunk, self._encode(chunk))
+                chunk.canonical = self._put_canonical(chunk, self._encode(chunk.inputs, int(chunk.ids.numel())))
         return chunk.canonical
 
     def _patch_key(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:

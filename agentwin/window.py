@@ -34,6 +34,7 @@ chunk again, counted, if the store dropped it).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class _Chunk:
     exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
     served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
+    pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
     # "orbit" policy only: summed deficits over the antecedents seen (kept across evictions)
     orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     orbit_seen: set[tuple[ChunkKey, ...]] = field(default_factory=set)
@@ -262,6 +264,7 @@ class Window:
         chunk.slot = index
         chunk.canonical = chunk.exact = chunk.served = None
         chunk.patches.clear()
+        self._spill_pixels(chunk)
         self._order.pop(index)
         self._pinned.discard(chunk_id)
         self._used.pop(chunk_id, None)
@@ -282,6 +285,7 @@ class Window:
         else:
             index = at
         victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()))  # raises before any change
+        self._restore_pixels(self._chunks[chunk_id])  # raises before any change
         for victim in victims:
             self.evict(victim)
         self._order.insert(min(index, len(self._order)), chunk_id)
@@ -618,6 +622,37 @@ class Window:
         else:
             self._stats.encoder_hits += 1
         return out
+
+    def _spill_pixels(self, chunk: _Chunk) -> None:
+        """An evicted image or frame chunk's pixels go to the store (under its budgets, spilled to
+        disk with a root) and leave the window, which keeps only ids, grid and positions. A store
+        that refuses them (larger than its RAM budget and no disk tier) leaves them in the window."""
+        inputs = chunk.inputs
+        if not isinstance(inputs, VisionChunk) or chunk.pixels_key is not None:
+            return
+        key = ChunkKey.of(self.km.fingerprint, "pixels", bytes.fromhex(inputs.digest), tenant=self.store.tenant)
+        try:
+            self.store.put(key, {"pixels": inputs.pixels}, {"modality": inputs.kind})
+        except ValueError:
+            return  # refused for size: kept here, as before
+        chunk.pixels_key = key
+        chunk.inputs = dataclasses.replace(inputs, pixels=inputs.pixels[:0])
+        # `digest` is a cached property of the frozen chunk: seed it with the real pixels' digest.
+        chunk.inputs.__dict__["digest"] = inputs.digest
+
+    def _restore_pixels(self, chunk: _Chunk) -> None:
+        """Pixels of an evicted vision chunk back from the store (ValueError, nothing changed, when
+        the store's budget has dropped them)."""
+        if chunk.pixels_key is None:
+            return
+        hit = self.store.get(chunk.pixels_key)
+        if hit is None:
+            raise ValueError(f"chunk {chunk.id}'s pixels were dropped by the store's budget while it was evicted; "
+                             "append the image or frames again (or give the store a disk root or a larger budget)")
+        digest = chunk.inputs.digest
+        chunk.inputs = dataclasses.replace(chunk.inputs, pixels=hit[0]["pixels"])
+        chunk.inputs.__dict__["digest"] = digest
+        chunk.pixels_key = None
 
     def _load_canonical(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
         """Canonical KV from the store (the store's own tensors, not copies), or None."""

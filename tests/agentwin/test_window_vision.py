@@ -157,3 +157,25 @@ def test_bad_images_are_refused_clearly_and_nothing_is_lost(tmp_path):
         Image(_image(0), min_tokens=10, max_tokens=2)
     assert (win.chunks(), win.store.stats().ram_bytes) == before
     win.check_integrity()
+
+
+def test_evicted_frames_leave_their_pixels_in_the_store_and_come_back_exact():
+    """A long-video loop: evicted frame chunks keep no pixels in the window (they are in the
+    store, under its budget); a recall reads them back and the window is exact again."""
+    km = _km("tiny-qwen2.5-vl")
+    win = Window(km, budget_tokens=45, patch="origin", rank=None)  # three 14-token frame chunks
+    ids = [win.append(Frames(_frames(seed, n=4), fps=2.0, min_tokens=4, max_tokens=6)) for seed in range(8)]
+    evicted = [c for c in ids if c not in win.chunks()]
+    assert len(evicted) >= 4
+    assert all(win._chunks[c].inputs.pixels.numel() == 0 for c in evicted)
+    assert all(win._chunks[c].inputs.pixels.numel() > 0 for c in win.chunks())
+    win.recall(evicted[0], at=0)
+    assert win._chunks[evicted[0]].inputs.pixels.numel() > 0
+    assert _gap(win, km) <= TOL
+    # The store's budget dropped another chunk's pixels meanwhile: its recall is refused, nothing changes.
+    lost = evicted[1]
+    assert win.store.delete(win._chunks[lost].pixels_key)
+    state = (win.chunks(), win.tokens())
+    with pytest.raises(ValueError, match="pixels were dropped"):
+        win.recall(lost)
+    assert (win.chunks(), win.tokens()) == state

@@ -315,21 +315,22 @@ def rss_child(args: argparse.Namespace) -> dict:
     store = ChunkStore(None, ram_bytes=args.rss_store_mb << 20, model_fingerprint=km.fingerprint)
     win = Window(km, budget_tokens=args.rss_budget_tokens, patch="origin", rank=16, store=store)
     texts = iter(_texts(km, args.rss_chunk_tokens * (checkpoints[-1] + 40), checkpoints[-1] + 40, seed=500))
-    rows = []
-    while win.stats().evictions < checkpoints[-1]:
+    rows, pending = [], list(checkpoints)
+    while pending:
         win.append(next(texts))
         evicted = win.stats().evictions
-        if rows and rows[-1]["evicted"] == evicted:
-            continue
-        if evicted % 25 == 0:
+        if evicted // 25 != (evicted - 1) // 25 and evicted:
             print(f"[bench engine] rss: {evicted} chunks evicted", file=sys.stderr, flush=True)
-        if evicted in checkpoints or (not rows and evicted >= checkpoints[0]):
-            gc.collect()
-            current, peak = _rss_kb()
-            s = win.stats()
-            rows.append({"evicted": evicted, "rss_mb": current / 1024, "peak_rss_mb": peak / 1024,
-                         "window_held_mb": s.held_bytes / 2 ** 20, "store_ram_mb": s.store.ram_bytes / 2 ** 20,
-                         "window_tokens": win.tokens(), "appended": len(win._chunks)})
+        if evicted < pending[0]:
+            continue
+        gc.collect()
+        current, peak = _rss_kb()
+        s = win.stats()
+        rows.append({"checkpoint": pending[0], "evicted": evicted, "rss_mb": current / 1024, "peak_rss_mb": peak / 1024,
+                     "window_held_mb": s.held_bytes / 2 ** 20, "store_ram_mb": s.store.ram_bytes / 2 ** 20,
+                     "window_tokens": win.tokens(), "appended": len(win._chunks)})
+        while pending and evicted >= pending[0]:
+            pending.pop(0)
     return {"checkpoints": rows, "budget_tokens": args.rss_budget_tokens, "store_ram_mb": args.rss_store_mb,
             "chunk_tokens": args.rss_chunk_tokens,
             "rss_growth_10_to_200": rows[-1]["peak_rss_mb"] / rows[0]["peak_rss_mb"]}
@@ -362,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.window_tokens, args.segment_tokens, args.decode_tokens = 1024, 512, 1024
         args.segments, args.decode_steps = "4,16", 3
+        args.rss_budget_tokens, args.rss_chunk_tokens = 256, 48
         args.repeats = max(2, min(args.repeats, 3))
     from agentwin.models.adapter import KameraModel
     from kamera_core.segment import CPU_KERNEL_MAX_ROWS

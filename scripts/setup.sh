@@ -23,6 +23,16 @@ if [ ! -x /usr/bin/chromium ]; then
     echo "[setup] /usr/bin/chromium is missing: run 'sudo apt-get install chromium' and retry" >&2; exit 1
   fi
 fi
+# The remote store tier (agentwin.store.RedisTier) is tested against a real Redis server.
+if [ ! -x /usr/bin/redis-server ]; then
+  echo "[setup] Debian redis-server (apt) for the remote store tier's tests" >&2
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) ||
+      { echo "[setup] apt-get install redis-server failed; install Debian's redis-server package by hand" >&2; exit 1; }
+  else
+    echo "[setup] /usr/bin/redis-server is missing: run 'sudo apt-get install redis-server' and retry" >&2; exit 1
+  fi
+fi
 echo "[setup] upgrading pip" >&2
 $PIP install -q --upgrade pip
 echo "[setup] torch 2.14.1 + torchvision 0.29.1 (large; first install takes a few minutes)" >&2

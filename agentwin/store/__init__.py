@@ -1,22 +1,30 @@
 """agentwin.store: content-addressed canonical KV, patches and encoder outputs (layer 2).
 
-Tiers (accelerator, host RAM, disk as safetensors + JSON sidecars) with byte budgets, LRU,
-pinning, checksums, model/tenant isolation and multi-process sharing of one root. See README.md.
-Imports only torch, safetensors, the standard library and kamera_core.
+Tiers (accelerator, host RAM, disk as safetensors + JSON sidecars, and a remote Redis tier shared
+across machines) with byte budgets, LRU, pinning, checksums, model/tenant isolation (and optional
+HMAC-signed remote entries) and multi-process sharing. `open_store(location)` opens one from None,
+a path or a redis:// URL. See README.md.
+Imports only torch, safetensors, the standard library and kamera_core (and the redis client, when a
+RedisTier is created).
 """
 
 from agentwin.store.encoder import EncoderCache
 from agentwin.store.keys import ChunkKey, Digest, patch_key
+from agentwin.store.remote import RedisTier, RemoteStats, RemoteWarning
 from agentwin.store.serial import kv_to_tensors, patch_to_tensors, tensors_to_kv, tensors_to_patch
-from agentwin.store.store import ChunkStore, StoreStats
+from agentwin.store.store import ChunkStore, StoreStats, open_store
 
 __all__ = [
     "ChunkKey",
     "ChunkStore",
     "Digest",
     "EncoderCache",
+    "RedisTier",
+    "RemoteStats",
+    "RemoteWarning",
     "StoreStats",
     "kv_to_tensors",
+    "open_store",
     "patch_key",
     "patch_to_tensors",
     "tensors_to_kv",

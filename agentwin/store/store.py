@@ -8,8 +8,12 @@ Placement:
   nothing acknowledged). An entry larger than `ram_bytes` goes to disk only (refused when there
   is no root, or when pin=True); an entry larger than `disk_bytes` (with a root) is refused.
 - get: RAM hit, else disk hit (verified, then promoted to RAM if it fits next to the pins),
-  then copied to the device tier when one is configured and the entry fits its budget. The
-  device tier mirrors a subset of RAM (device ⊆ RAM): leaving RAM also leaves the device.
+  else remote hit (a `RedisTier`: verified, then promoted to RAM if it fits, else to disk if it
+  fits there), then copied to the device tier when one is configured and the entry fits its
+  budget. The device tier mirrors a subset of RAM (device ⊆ RAM): leaving RAM also leaves it.
+- remote: after a put succeeded locally it is written back to the remote tier (synchronously).
+  A remote fault never raises: the get is a miss, the write-back is skipped (counted in
+  remote_errors; the tier warns once and backs off, see remote.py).
 - RAM over budget: LRU unpinned entries leave RAM; with a root they are demoted to disk (already
   there thanks to write-through unless the disk tier dropped them, then written), else dropped.
   Disk over budget: LRU entries are deleted. The device tier drops LRU copies.
@@ -31,6 +35,7 @@ import torch
 
 from agentwin.store.disk import DTYPES, DiskTier
 from agentwin.store.keys import ChunkKey, canonical_json, check_key
+from agentwin.store.remote import RedisTier, check_url
 from agentwin.store.tiers import Entry, MemoryTier
 
 Tensor = torch.Tensor
@@ -46,9 +51,15 @@ class StoreStats:
     (RAM and device: tensor bytes; disk: file bytes, data + sidecar, of every entry under root).
     evictions: entries deleted for budget from their last tier (disk LRU deletions; RAM drops
     without a root or when the disk write failed). demotions: RAM entries moved out to disk, and
-    device copies dropped for budget (their RAM copy stays). promotions: disk → RAM and RAM →
-    device copies made by get/pin. corrupt_dropped: disk entries deleted because their sidecar or
-    data failed verification.
+    device copies dropped for budget (their RAM copy stays). promotions: disk → RAM, remote → RAM
+    (or → disk, for an entry too big for RAM) and RAM → device copies made by get/pin.
+    corrupt_dropped: disk entries deleted because their sidecar or data failed verification, and
+    remote entries deleted because a part was missing or cut short, a check failed, or the
+    manifest named another owner or had no valid MAC.
+    remote_hits / remote_misses: gets that reached the remote tier (after RAM and disk missed)
+    and were served / found no valid entry. remote_errors: remote gets and write-backs that
+    failed on a fault (server down, refused, timeout, error) or were skipped during its back-off.
+    All three stay 0 without a remote tier.
     """
 
     hits: int
@@ -63,6 +74,9 @@ class StoreStats:
     demotions: int
     promotions: int
     corrupt_dropped: int
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_errors: int = 0
 
 
 def _budget(value: object, what: str) -> int:
@@ -99,15 +113,18 @@ class ChunkStore:
         processes of any fingerprint/tenant, which then share `disk_bytes`). None: no disk tier.
     ram_bytes / disk_bytes / device_bytes: byte budgets (tensor bytes for RAM and device; file
         bytes on disk). device: e.g. "cuda" (needs device_bytes > 0) for an accelerator tier.
-    model_fingerprint / tenant: recorded with every disk entry; entries recorded under another
-        fingerprint or tenant are never returned, whatever the key.
+    model_fingerprint / tenant: recorded with every disk and remote entry; entries recorded under
+        another fingerprint or tenant are never returned, whatever the key.
+    remote: a `RedisTier` shared with other processes/machines (None: no remote tier); read after
+        RAM and disk, written back after every local put. The store closes it on close().
     Returned tensors are the cached ones (do not modify them in place); meta is a fresh dict.
-    Thread-safe (one lock per store); process-safe through flock on the root.
+    Thread-safe (one lock per store; remote calls run under it, each bounded by its timeout);
+    process-safe through flock on the root, and across machines through the remote tier.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, ram_bytes: int = 2 << 30,
                  disk_bytes: int = 20 << 30, device: str | None = None, device_bytes: int = 0,
-                 model_fingerprint: str = "", tenant: str = "") -> None:
+                 model_fingerprint: str = "", tenant: str = "", remote: RedisTier | None = None) -> None:
         ram_bytes, disk_bytes = _budget(ram_bytes, "ram_bytes"), _budget(disk_bytes, "disk_bytes")
         device_bytes = _budget(device_bytes, "device_bytes")
         for what, v in (("model_fingerprint", model_fingerprint), ("tenant", tenant)):
@@ -115,7 +132,11 @@ class ChunkStore:
                 raise TypeError(f"{what} must be a str, got {type(v).__name__} {v!r}")
         if root is not None and not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or None, got {type(root).__name__}")
+        if remote is not None and not isinstance(remote, RedisTier):
+            raise TypeError(f"remote must be an agentwin.store.RedisTier or None, got {type(remote).__name__}")
         self._fp, self._tenant = model_fingerprint, tenant
+        self._remote = remote
+        self._remote_hits = self._remote_misses = self._remote_errors = self._remote_dropped = 0
         self._dev: MemoryTier | None = None
         if device is None:
             if device_bytes:
@@ -145,10 +166,17 @@ class ChunkStore:
     def tenant(self) -> str:
         return self._tenant
 
+    @property
+    def remote(self) -> RedisTier | None:
+        return self._remote
+
     def close(self) -> None:
-        """Releases the lock file; afterwards any call that needs the disk raises ValueError."""
+        """Releases the lock file and the remote tier's connections; afterwards any call that
+        needs the disk raises ValueError."""
         if self._disk is not None:
             self._disk.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> ChunkStore:
         return self
@@ -162,7 +190,8 @@ class ChunkStore:
         """Stores contiguous CPU copies of `tensors` (any shapes, supported dtypes) and JSON-able
         `meta` under `key`, replacing an existing entry; pin=True keeps it in RAM (an existing pin
         is kept either way). ValueError (changing nothing) when it cannot fit: over a budget, or
-        RAM full of pinned entries."""
+        RAM full of pinned entries. Then written back to the remote tier, if any (a fault there
+        is counted in remote_errors, never raised)."""
         with self._mutex:
             digest = check_key(key).digest
             if not isinstance(pin, bool):
@@ -188,17 +217,20 @@ class ChunkStore:
                 self._dev.remove(digest)
             if victims is None:
                 self._ram.remove(digest)  # a stale copy of an older value
-                return
-            for v in victims:
-                self._demote(v)
-            self._ram.insert(digest, Entry(prepared, meta_json, nbytes))
-            if pin:
-                self._ram.pinned.add(digest)
+            else:
+                for v in victims:
+                    self._demote(v)
+                self._ram.insert(digest, Entry(prepared, meta_json, nbytes))
+                if pin:
+                    self._ram.pinned.add(digest)
+            if self._remote is not None and not self._remote.put(digest, prepared, meta_json, nbytes,
+                                                                 self._fp, self._tenant):
+                self._remote_errors += 1
 
     def get(self, key: ChunkKey) -> tuple[dict[str, Tensor], dict] | None:
-        """`(tensors, meta)` or None on a miss (absent, another fingerprint's or tenant's, or a
-        disk entry that failed verification, which is then deleted). Tensors are on the device
-        when the device tier holds the entry, else on the CPU."""
+        """`(tensors, meta)` or None on a miss (absent, another fingerprint's or tenant's, a
+        disk or remote entry that failed verification, which is then deleted, or a remote fault).
+        Tensors are on the device when the device tier holds the entry, else on the CPU."""
         with self._mutex:
             digest = check_key(key).digest
             e = self._ram.get(digest)
@@ -214,25 +246,37 @@ class ChunkStore:
                 if self._promote(digest, e):
                     return self._deliver(digest, e)
                 return dict(e.tensors), json.loads(e.meta_json)  # disk-only: too big for RAM now
+            if self._remote is not None and (e := self._remote_get(digest)) is not None:
+                self._hits += 1
+                if self._promote(digest, e):
+                    return self._deliver(digest, e)
+                self._to_disk(digest, e)
+                return dict(e.tensors), json.loads(e.meta_json)  # too big for RAM now
             self._misses += 1
             return None
 
     def contains(self, key: ChunkKey) -> bool:
-        """Whether get would find the entry (a disk entry's checksum is only verified by get)."""
+        """Whether get would find the entry (a disk entry's checksum and a remote entry's parts
+        are only verified by get; a remote fault reads as False)."""
         with self._mutex:
             digest = check_key(key).digest
             return digest in self._ram or (
-                self._disk is not None and self._disk.owned(digest, self._fp, self._tenant))
+                self._disk is not None and self._disk.owned(digest, self._fp, self._tenant)) or (
+                self._remote is not None and self._remote.contains(digest, self._fp, self._tenant))
 
     def pin(self, key: ChunkKey) -> None:
-        """Keeps the entry in RAM until unpinned (loading it from disk if needed). ValueError when
-        it is not in the store or cannot fit in RAM next to the other pinned entries."""
+        """Keeps the entry in RAM until unpinned (loading it from disk or the remote tier if
+        needed). ValueError when it is not in the store or cannot fit in RAM next to the other
+        pinned entries."""
         with self._mutex:
             digest = check_key(key).digest
-            if digest not in self._ram and self._disk is not None:
-                got = self._disk.load(digest, self._fp, self._tenant)
-                if got is not None:
+            if digest not in self._ram:
+                e = None
+                if self._disk is not None and (got := self._disk.load(digest, self._fp, self._tenant)) is not None:
                     e = Entry(got[0], got[1].meta_json, got[1].nbytes)
+                elif self._remote is not None:
+                    e = self._remote_get(digest)
+                if e is not None:
                     if not self._promote(digest, e):
                         raise ValueError(f"cannot pin {key}: {e.nbytes} bytes do not fit in ram_bytes="
                                          f"{self._ram.budget} with {self._ram.pinned_bytes()} bytes pinned")
@@ -246,8 +290,8 @@ class ChunkStore:
             self._ram.pinned.discard(check_key(key).digest)
 
     def delete(self, key: ChunkKey) -> bool:
-        """Removes the entry from every tier (never another fingerprint's or tenant's disk
-        entry); True when something was removed."""
+        """Removes the entry from every tier, the remote one included (never another
+        fingerprint's or tenant's disk entry); True when something was removed."""
         with self._mutex:
             digest = check_key(key).digest
             removed = self._ram.remove(digest) is not None
@@ -255,10 +299,12 @@ class ChunkStore:
                 self._dev.remove(digest)
             if self._disk is not None:
                 removed = self._disk.delete(digest, self._fp, self._tenant) or removed
+            if self._remote is not None:
+                removed = self._remote.delete(digest) or removed
             return removed
 
     def tiers(self, key: ChunkKey) -> frozenset[str]:
-        """Diagnostics: the tiers ("device", "ram", "disk") holding the entry now."""
+        """Diagnostics: the tiers ("device", "ram", "disk", "remote") holding the entry now."""
         with self._mutex:
             digest = check_key(key).digest
             out = {"ram"} if digest in self._ram else set()
@@ -266,6 +312,8 @@ class ChunkStore:
                 out.add("device")
             if self._disk is not None and self._disk.owned(digest, self._fp, self._tenant):
                 out.add("disk")
+            if self._remote is not None and self._remote.contains(digest, self._fp, self._tenant):
+                out.add("remote")
             return frozenset(out)
 
     def stats(self) -> StoreStats:
@@ -277,7 +325,9 @@ class ChunkStore:
                 device_entries=len(dev.entries) if dev else 0, ram_entries=len(self._ram.entries),
                 disk_entries=len(disk.index) if disk else 0,
                 evictions=self._evictions + (disk.evictions if disk else 0), demotions=self._demotions,
-                promotions=self._promotions, corrupt_dropped=disk.corrupt_dropped if disk else 0)
+                promotions=self._promotions,
+                corrupt_dropped=(disk.corrupt_dropped if disk else 0) + self._remote_dropped,
+                remote_hits=self._remote_hits, remote_misses=self._remote_misses, remote_errors=self._remote_errors)
 
     def check_integrity(self) -> None:
         """RuntimeError on any broken invariant: a tier over budget or miscounted, pins outside
@@ -291,12 +341,44 @@ class ChunkStore:
                     raise RuntimeError("device tier holds entries RAM does not; this indicates a bug")
             if self._disk is not None:
                 self._disk.check()
-            if min(self._hits, self._misses, self._evictions, self._demotions, self._promotions) < 0:
+            if min(self._hits, self._misses, self._evictions, self._demotions, self._promotions, self._remote_hits,
+                   self._remote_misses, self._remote_errors, self._remote_dropped) < 0:
                 raise RuntimeError("negative counter; this indicates a bug")
 
     # -- internals ---------------------------------------------------------------------------------
+    def _remote_get(self, digest: str) -> Entry | None:
+        """The verified remote entry, or None (counted as a remote miss or error)."""
+        if self._remote is None:
+            raise RuntimeError("remote get without a remote tier; this indicates a bug")
+        status, e = self._remote.get(digest, self._fp, self._tenant)
+        if status == "hit":
+            if e is None:
+                raise RuntimeError("remote hit without an entry; this indicates a bug")
+            self._remote_hits += 1
+            return e
+        if status == "error":
+            self._remote_errors += 1
+        else:
+            self._remote_misses += 1
+            self._remote_dropped += status in ("corrupt", "rejected")
+        return None
+
+    def _to_disk(self, digest: str, e: Entry) -> None:
+        """A remote hit too big for RAM: kept on disk when there is one and it fits there."""
+        if self._disk is None or self._disk.owned(digest, self._fp, self._tenant):
+            return
+        try:
+            self._disk.write(digest, e.tensors, e.meta_json, e.nbytes, self._fp, self._tenant)
+        except ValueError:
+            return  # over disk_bytes (or the digest is held by another owner): served, not kept
+        except OSError as exc:
+            warnings.warn(f"not keeping remote hit {digest[:16]} on disk: writing it failed: {exc}", stacklevel=3)
+            return
+        self._promotions += 1
+
     def _promote(self, digest: str, e: Entry) -> bool:
-        """Disk → RAM when it fits next to the pins (moving LRU entries out); False otherwise."""
+        """Disk or remote → RAM when it fits next to the pins (moving LRU entries out); False
+        otherwise."""
         if e.nbytes > self._ram.budget or (victims := self._ram.victims(e.nbytes, replacing=digest)) is None:
             return False
         for v in victims:
@@ -351,3 +433,51 @@ class ChunkStore:
             if d is not None:
                 return dict(d.tensors), json.loads(e.meta_json)
         return dict(e.tensors), json.loads(e.meta_json)
+
+
+def open_store(location: str | os.PathLike | None = None, *, model_fingerprint: str = "", tenant: str = "",
+               secret: bytes | str | None = None, ram_bytes: int = 2 << 30, disk_bytes: int = 20 << 30,
+               timeout_s: float = 1.0, cache_dir: str | os.PathLike | None = None) -> ChunkStore:
+    """A `ChunkStore` for `location`:
+
+    - None: RAM only (`ram_bytes`).
+    - a filesystem path (str or os.PathLike): RAM + a disk tier rooted there (`disk_bytes`),
+      shareable by processes on this machine.
+    - "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS): RAM, plus a disk tier
+      at `cache_dir` when given, plus a `RedisTier` on that server shared across processes and
+      machines; `timeout_s` bounds each connect/read/write, `secret` signs and verifies entries
+      (HMAC-SHA256; use one per tenant). Nothing connects here; a server that is down makes every
+      remote call a miss (one RemoteWarning) until it answers.
+    `secret` and `timeout_s` only concern the remote tier (local tiers are trusted and local);
+    they are validated whatever the location. `cache_dir` is for redis locations only.
+    ValueError for a location of another form, TypeError for arguments of the wrong type.
+    """
+    forms = ("None (RAM only), a filesystem path (disk tier at that root), or a redis://[user:password@]host"
+             "[:port][/db] / rediss://... URL (remote tier, with a disk tier at cache_dir if given)")
+    if secret is not None and not isinstance(secret, (bytes, str)):
+        raise TypeError(f"secret must be bytes, str or None, got {type(secret).__name__}")
+    if isinstance(secret, (bytes, str)) and not secret:
+        raise ValueError("secret must not be empty; pass None for unsigned entries")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
+    if not (timeout_s > 0 and timeout_s != float("inf")):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a path or None, got {type(cache_dir).__name__}")
+    common = {"ram_bytes": ram_bytes, "model_fingerprint": model_fingerprint, "tenant": tenant}
+    if isinstance(location, str) and "://" in location:
+        url = check_url(location) if location.split("://", 1)[0] in ("redis", "rediss") else None
+        if url is None:
+            raise ValueError(f"location {location.split('://', 1)[0]}://... is not supported; location must be {forms}")
+        remote = RedisTier(url, timeout_s=timeout_s, secret=secret)
+        return ChunkStore(cache_dir, disk_bytes=disk_bytes, remote=remote, **common)
+    if cache_dir is not None:
+        raise ValueError("cache_dir only applies to a redis:// or rediss:// location; for a local disk tier pass "
+                         "its path as location")
+    if location is None:
+        return ChunkStore(None, disk_bytes=disk_bytes, **common)
+    if isinstance(location, str) and not location:
+        raise ValueError(f"location is an empty string; location must be {forms}")
+    if not isinstance(location, (str, os.PathLike)):
+        raise TypeError(f"location must be {forms}; got {type(location).__name__} {location!r}")
+    return ChunkStore(location, disk_bytes=disk_bytes, **common)

@@ -1,0 +1,471 @@
+"""The remote tier: entries shared across processes and machines through a Redis server.
+
+Keys (`P` = `prefix`, default "agentwin:"; `D` = the ChunkKey digest, which already covers model
+fingerprint, tenant salt, modality and content; every key of one entry carries the hash tag
+`{D}`, so under Redis Cluster all of an entry's keys live in one slot):
+- `P{D}:m`: the manifest, the entry's commit record: canonical JSON (format, digest, model
+  fingerprint, tenant, token, size, sha256 of the whole payload, part sizes, tensor
+  names/dtypes/shapes, tensor bytes, meta, created), then b"\\n", then the HMAC-SHA256 in hex
+  (empty when the writer has no secret).
+- `P{D}:p:<token>:<i>`: part i of the payload, the safetensors bytes of the entry's tensors cut
+  into `part_bytes` pieces; `token` is random per write, so a reader only ever reads the parts
+  its manifest names.
+- `P{D}:t:<token>:<i>`: a part being uploaded (expires after ORPHAN_TTL_S if its writer dies).
+
+Write: the parts go up under temporary keys in one pipeline; then one MULTI/EXEC renames them to
+their part keys, sets their TTL and sets the manifest (reading the old one), so the entry appears
+whole or not at all; the old version's parts are deleted afterwards. The manifest is written
+last and lists every part's size: it is the part-complete marker.
+Read: manifest → owner (fingerprint, tenant) and, with a secret, MAC checked before any part is
+fetched → parts fetched in one pipeline → sizes, sha256, safetensors parse, tensor specs and
+byte count checked. A failed check deletes the entry (only if its manifest is still the one read,
+under WATCH, so a concurrent rewrite is never deleted) and reports a miss.
+
+Faults (refused connection, timeout, a server restarted or killed mid-call, any Redis error)
+never raise to the caller: the call reports "error" (a miss / a skipped write-back), one
+RemoteWarning is issued until the server answers again, and the server is not tried again for
+`retry_s` seconds (calls in between report "error" at once). Every socket operation is bounded by
+`timeout_s` (connect and each read/write); redis-py's own retries are switched off.
+Eviction is the server's: run it with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import secrets
+import struct
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import parse_qs, urlsplit
+
+import safetensors
+import safetensors.torch
+import torch
+
+from agentwin.store.disk import DTYPES
+from agentwin.store.tiers import Entry
+
+FORMAT = "agentwin.store.remote/1"
+PART_BYTES = 8 << 20
+MAX_PART_BYTES = 256 << 20  # well under Redis's proto-max-bulk-len (512 MiB)
+ORPHAN_TTL_S = 600.0
+_MAC_DOMAIN = b"agentwin.store.remote.mac/1"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+_log = logging.getLogger(__name__)
+# URL query options redis-py would let override the bounded timeouts, retries and pool size.
+_RESERVED_QUERY = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "max_connections",
+                             "retry_on_timeout", "retry_on_error", "retry", "health_check_interval"})
+_MANIFEST_FIELDS = frozenset({"format", "digest", "model_fingerprint", "tenant", "token", "size", "sha256", "parts",
+                              "tensors", "nbytes", "meta", "created"})
+
+Status = Literal["hit", "absent", "corrupt", "rejected", "error"]
+
+
+class RemoteWarning(RuntimeWarning):
+    """The remote tier could not be used for a while; the store carried on with its local tiers."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """Counters of one RedisTier since it was created (all stores using it together).
+
+    hits: verified entries served. absent: gets that found no entry (or raced a rewrite).
+    corrupt: entries deleted because a part was missing or cut short, or the checksum, parse or
+    tensor specs failed. rejected: entries deleted because their manifest names another
+    fingerprint or tenant, or (with a secret) carries no valid MAC. errors: operations that failed
+    on a fault or were skipped during the back-off. writes: entries published.
+    """
+
+    hits: int
+    absent: int
+    corrupt: int
+    rejected: int
+    errors: int
+    writes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    token: str
+    size: int
+    sha256: str
+    parts: tuple[int, ...]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape)
+    nbytes: int
+    meta_json: str
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _canonical(o: object) -> bytes:
+    return json.dumps(o, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _positive(value: object, what: str, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{what} must be a finite number of seconds, got {type(value).__name__} {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def safe_url(url: str) -> str:
+    """`url` without its user name and password (for messages)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def check_url(url: object) -> str:
+    """`url` if it is a redis:// or rediss:// URL with a host, else ValueError/TypeError. Query
+    options pass through to redis-py (e.g. rediss://host?ssl_ca_certs=/path/ca.pem), except those
+    that would override the tier's timeouts, retries or pool size."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str (redis://[user:password@]host[:port][/db]), got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ValueError(f"url must be redis://[user:password@]host[:port][/db] or rediss://... (TLS), "
+                         f"got {safe_url(url) if '://' in url else url!r}")
+    reserved = sorted(_RESERVED_QUERY & set(parse_qs(parts.query)))
+    if reserved:
+        raise ValueError(f"url query options {reserved} are set by RedisTier (timeout_s, max_connections; "
+                         "no client retries); pass them as RedisTier / open_store arguments instead")
+    return url
+
+
+class RedisTier:
+    """Entries on a Redis server (see the module docstring for keys, writes, reads and faults).
+
+    url: redis://[user:password@]host[:port][/db], or rediss://... for TLS.
+    timeout_s: bound on connecting and on each socket read/write, and on waiting for a pooled
+        connection. max_connections: size of the (blocking) connection pool.
+    part_bytes: payloads larger than this are split into parts of this size.
+    ttl_s: optional expiry of every entry (None: kept until the server evicts it).
+    secret: with a secret (non-empty bytes or str), every written entry carries HMAC-SHA256 over
+        (key digest, manifest, payload checksum), and entries without a valid MAC are rejected.
+        Use one secret per tenant; processes sharing entries need the same secret.
+    retry_s: after a fault the server is left alone for this long (calls report "error" at once).
+    prefix: namespace of every key (no braces: they delimit the hash tag).
+    Thread-safe. Creating one does not connect; the first call does.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 1.0, max_connections: int = 8,
+                 part_bytes: int = PART_BYTES, ttl_s: float | None = None, secret: bytes | str | None = None,
+                 retry_s: float = 2.0, prefix: str = "agentwin:") -> None:
+        url = check_url(url)
+        self.timeout_s = _positive(timeout_s, "timeout_s")
+        self.retry_s = _positive(retry_s, "retry_s", allow_zero=True)
+        self.ttl_s = None if ttl_s is None else _positive(ttl_s, "ttl_s")
+        for what, v, lo, hi in (("max_connections", max_connections, 1, 1 << 16),
+                                ("part_bytes", part_bytes, 1, MAX_PART_BYTES)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{what} must be an int, got {type(v).__name__} {v!r}")
+            if not lo <= v <= hi:
+                raise ValueError(f"{what} must be in [{lo}, {hi}], got {v}")
+        self.part_bytes = part_bytes
+        if isinstance(secret, str):
+            secret = secret.encode("utf-8")
+        if secret is not None and (not isinstance(secret, bytes) or not secret):
+            raise TypeError(f"secret must be non-empty bytes or str, or None; got {type(secret).__name__}")
+        self._secret = secret
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix must be a str without braces (they delimit the hash tag), got {prefix!r}")
+        self.prefix = prefix
+        self.url = safe_url(url)
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise ImportError("RedisTier needs the redis client: pip install redis==8.1.0 (or run scripts/setup.sh)"
+                              ) from exc
+        self._redis = redis
+        self._faults: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=self.timeout_s, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._client = redis.Redis(connection_pool=pool)
+        self._lock = threading.Lock()
+        self._retry_at = 0.0  # time.monotonic() before which the server is not tried
+        self._warned = False
+        self._counts = dict.fromkeys(("hits", "absent", "corrupt", "rejected", "errors", "writes"), 0)
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url!r}, timeout_s={self.timeout_s}, signed={self._secret is not None})"
+
+    def close(self) -> None:
+        """Closes pooled connections (a later call opens new ones)."""
+        self._client.connection_pool.disconnect()
+
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            return RemoteStats(**self._counts)
+
+    # -- keys ------------------------------------------------------------------------------------
+    def manifest_key(self, digest: str) -> str:
+        return f"{self.prefix}{{{digest}}}:m"
+
+    def part_key(self, digest: str, token: str, i: int) -> str:
+        return f"{self.prefix}{{{digest}}}:p:{token}:{i}"
+
+    def _tmp_key(self, digest: str, token: str, i: int) -> str:
+        return f"{self.prefix}{{{digest}}}:t:{token}:{i}"
+
+    # -- fault handling --------------------------------------------------------------------------
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def _available(self) -> bool:
+        """False (counted as an error) while backing off after a fault."""
+        with self._lock:
+            if time.monotonic() < self._retry_at:
+                self._counts["errors"] += 1
+                return False
+            return True
+
+    def _fault(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            self._retry_at = time.monotonic() + self.retry_s
+            first, self._warned = not self._warned, True
+        if first:
+            warnings.warn(f"remote store {self.url}: {op} failed ({type(exc).__name__}: {exc}); carrying on "
+                          f"with the local tiers (misses are computed locally), retrying the server at most "
+                          f"every {self.retry_s:g} s; no further warning until it answers again",
+                          RemoteWarning, stacklevel=4)
+
+    def _answered(self) -> None:
+        if self._warned:
+            with self._lock:
+                recovered, self._warned = self._warned, False
+            if recovered:
+                _log.info("remote store %s answers again", self.url)
+
+    # -- manifests -------------------------------------------------------------------------------
+    def _mac(self, digest: str, body: bytes, sha: str) -> str:
+        if self._secret is None:
+            raise RuntimeError("MAC requested without a secret; this indicates a bug")
+        msg = _field(_MAC_DOMAIN) + _field(digest.encode()) + _field(body) + _field(sha.encode())
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+
+    @staticmethod
+    def _parse(body: bytes, digest: str) -> tuple[_Manifest, str, str] | None:
+        """(manifest, fingerprint, tenant) from the manifest JSON, or None when malformed."""
+        try:
+            o = json.loads(body)
+            specs = {n: (s["dtype"], tuple(s["shape"])) for n, s in o["tensors"].items()}
+            parts = tuple(o["parts"])
+            ok = (set(o) == _MANIFEST_FIELDS and o["format"] == FORMAT and o["digest"] == digest
+                  and isinstance(o["model_fingerprint"], str)
+                  and isinstance(o["tenant"], str) and isinstance(o["token"], str) and _TOKEN.fullmatch(o["token"])
+                  and isinstance(o["sha256"], str) and _HEX64.fullmatch(o["sha256"])
+                  and all(type(o[f]) is int and o[f] >= 0 for f in ("size", "nbytes"))
+                  and all(type(p) is int and p > 0 for p in parts) and sum(parts) == o["size"]
+                  and isinstance(o["meta"], dict) and type(o["created"]) in (int, float)
+                  and all(d in DTYPES and all(type(x) is int and x >= 0 for x in sh) for d, sh in specs.values()))
+            if not ok:
+                return None
+            m = _Manifest(o["token"], o["size"], o["sha256"], parts, specs, o["nbytes"],
+                          _canonical(o["meta"]).decode("utf-8"))
+            return m, o["model_fingerprint"], o["tenant"]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+    def _check_manifest(self, digest: str, raw: bytes, fingerprint: str, tenant: str
+                        ) -> tuple[Status, _Manifest | None]:
+        """("ok" | "corrupt" | "rejected", manifest): parsed, owner and MAC checked."""
+        body, sep, mac = raw.rpartition(b"\n")
+        got = self._parse(body, digest) if sep else None
+        if got is None:
+            return "corrupt", None
+        m, fp, ten = got
+        if (fp, ten) != (fingerprint, tenant):
+            return "rejected", m
+        if self._secret is not None:
+            want = self._mac(digest, body, m.sha256).encode()
+            if not hmac.compare_digest(mac, want):
+                return "rejected", m
+        return "hit", m
+
+    def _part_keys(self, digest: str, m: _Manifest | None) -> list[str]:
+        return [] if m is None else [self.part_key(digest, m.token, i) for i in range(len(m.parts))]
+
+    def _drop_if_unchanged(self, digest: str, raw: bytes, m: _Manifest | None) -> bool:
+        """Deletes the entry if its manifest is still `raw` (WATCH/MULTI); False if it changed."""
+        mkey = self.manifest_key(digest)
+        with self._client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(mkey)
+                if pipe.get(mkey) != raw:
+                    return False
+                pipe.multi()
+                pipe.delete(mkey, *self._part_keys(digest, m))
+                pipe.execute()
+                return True
+            except self._redis.exceptions.WatchError:
+                return False
+
+    # -- entry operations ------------------------------------------------------------------------
+    def get(self, digest: str, fingerprint: str, tenant: str) -> tuple[Status, Entry | None]:
+        """("hit", entry) with verified contiguous CPU tensors, or (status, None): "absent",
+        "corrupt" / "rejected" (the entry was deleted), "error" (fault or back-off)."""
+        if not self._available():
+            return "error", None
+        try:
+            status, entry = self._get(digest, fingerprint, tenant)
+        except self._faults as exc:
+            self._fault("get", exc)
+            return "error", None
+        self._answered()
+        self._count({"hit": "hits"}.get(status, status))
+        return status, entry
+
+    def _get(self, digest: str, fingerprint: str, tenant: str) -> tuple[Status, Entry | None]:
+        raw = self._client.get(self.manifest_key(digest))
+        if raw is None:
+            return "absent", None
+        status, m = self._check_manifest(digest, raw, fingerprint, tenant)
+        if status == "hit" and m is not None:
+            pipe = self._client.pipeline(transaction=False)
+            for k in self._part_keys(digest, m):
+                pipe.get(k)
+            parts = pipe.execute()
+            entry = self._assemble(m, parts)
+            if entry is not None:
+                return "hit", entry
+            status = "corrupt"
+        # Delete it, unless a writer replaced it meanwhile (then the parts we missed were the old
+        # version's, deleted by that writer: a plain miss).
+        return (status if self._drop_if_unchanged(digest, raw, m) else "absent"), None
+
+    @staticmethod
+    def _assemble(m: _Manifest, parts: list[bytes | None]) -> Entry | None:
+        """The entry from its parts, or None when any check fails."""
+        if len(parts) != len(m.parts) or any(p is None or len(p) != n for p, n in zip(parts, m.parts)):
+            return None
+        blob = b"".join(parts)  # type: ignore[arg-type]
+        if len(blob) != m.size or hashlib.sha256(blob).hexdigest() != m.sha256:
+            return None
+        try:
+            tensors = safetensors.torch.load(blob)
+        except (safetensors.SafetensorError, ValueError, TypeError):
+            return None  # matches its checksum but does not parse: written wrong
+        got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if got != m.tensors or nbytes != m.nbytes:
+            return None
+        return Entry({n: t.contiguous() for n, t in tensors.items()}, m.meta_json, nbytes)
+
+    def put(self, digest: str, tensors: dict[str, torch.Tensor], meta_json: str, nbytes: int,
+            fingerprint: str, tenant: str) -> bool:
+        """Publishes the entry (contiguous CPU tensors; replacing any under `digest`); False on a
+        fault or during the back-off (nothing half-written is ever visible)."""
+        if not self._available():
+            return False
+        blob = safetensors.torch.save(tensors)
+        sha = hashlib.sha256(blob).hexdigest()
+        n = self.part_bytes
+        parts = [blob[i:i + n] for i in range(0, len(blob), n)]
+        token = secrets.token_hex(8)
+        manifest = {"format": FORMAT, "digest": digest, "model_fingerprint": fingerprint, "tenant": tenant,
+                    "token": token, "size": len(blob), "sha256": sha, "parts": [len(p) for p in parts],
+                    "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                                for k, t in tensors.items()},
+                    "nbytes": nbytes, "meta": json.loads(meta_json), "created": time.time()}
+        body = _canonical(manifest)
+        raw = body + b"\n" + (self._mac(digest, body, sha).encode() if self._secret is not None else b"")
+        try:
+            self._upload(digest, token, parts)
+            ok = self._publish(digest, token, len(parts), raw)
+        except self._faults as exc:
+            self._fault("put", exc)
+            return False
+        self._answered()
+        if not ok:
+            self._count("errors")
+            return False
+        self._count("writes")
+        return True
+
+    def _upload(self, digest: str, token: str, parts: list[bytes]) -> None:
+        """The parts under temporary keys (expiring, should this writer die), in one pipeline."""
+        pipe = self._client.pipeline(transaction=False)
+        for i, p in enumerate(parts):
+            pipe.set(self._tmp_key(digest, token, i), p, px=int(ORPHAN_TTL_S * 1000))
+        pipe.execute()
+
+    def _publish(self, digest: str, token: str, count: int, raw: bytes) -> bool:
+        """One MULTI/EXEC: temporary keys → part keys (with the entry's TTL), then the manifest.
+        False (the entry withdrawn) when a temporary part vanished before the rename."""
+        mkey = self.manifest_key(digest)
+        ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+        tx = self._client.pipeline(transaction=True)
+        tx.get(mkey)
+        for i in range(count):
+            tx.rename(self._tmp_key(digest, token, i), self.part_key(digest, token, i))
+            if ttl_ms is None:
+                tx.persist(self.part_key(digest, token, i))
+            else:
+                tx.pexpire(self.part_key(digest, token, i), ttl_ms)
+        tx.set(mkey, raw, px=ttl_ms)
+        results = tx.execute(raise_on_error=False)
+        old = results[0]
+        if any(isinstance(r, Exception) for r in results):
+            # e.g. a temporary part evicted by the server's LRU before the rename: the manifest
+            # would name a missing part; withdraw it (readers would reject it anyway).
+            body = raw.rpartition(b"\n")[0]
+            got = self._parse(body, digest)
+            self._drop_if_unchanged(digest, raw, got[0] if got else None)
+            return False
+        if isinstance(old, bytes) and old != raw:
+            got = self._parse(old.rpartition(b"\n")[0], digest)
+            if got is not None and got[0].token != token:
+                stale = self._part_keys(digest, got[0])
+                if stale:
+                    self._client.delete(*stale)
+        return True
+
+    def contains(self, digest: str, fingerprint: str, tenant: str) -> bool:
+        """Whether a manifest of this owner (with a valid MAC, given a secret) is published; the
+        parts are only verified by get. False on a fault."""
+        if not self._available():
+            return False
+        try:
+            raw = self._client.get(self.manifest_key(digest))
+        except self._faults as exc:
+            self._fault("contains", exc)
+            return False
+        self._answered()
+        return raw is not None and self._check_manifest(digest, raw, fingerprint, tenant)[0] == "hit"
+
+    def delete(self, digest: str) -> bool:
+        """Deletes the entry under `digest` (manifest and the parts it names), whatever owner its
+        manifest names (the digest is the caller's own key); True when a manifest was deleted,
+        False when none was there or on a fault."""
+        if not self._available():
+            return False
+        mkey = self.manifest_key(digest)
+        try:
+            raw = self._client.get(mkey)
+            if raw is None:
+                removed = False
+            else:
+                got = self._parse(raw.rpartition(b"\n")[0], digest)
+                removed = bool(self._client.delete(mkey, *self._part_keys(digest, got[0] if got else None)))
+        except self._faults as exc:
+            self._fault("delete", exc)
+            return False
+        self._answered()
+        return removed

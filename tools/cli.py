@@ -5,12 +5,14 @@
     agentwin doc FILE.pdf --question Q      document navigator (the model decides every step)
     agentwin web URL --task T               web agent in headless Chromium
     agentwin video FILE --question Q        long-video loop (a vision-language model)
+    agentwin batch TASKS.jsonl --workers N  many agent tasks on a pool of workers sharing one store
     agentwin bench engine --json FILE       the KV engine: recall, decode over segments, memory of a long loop
     agentwin bench relocate --json FILE     CPU relocation throughput vs a plain copy
     agentwin bench patches --json FILE      conditioning patches vs blind reuse (SmolLM2)
     agentwin bench recall --json FILE       recall to first token vs re-prefill (SmolLM2 text, 64-frame video)
     agentwin bench window --json FILE       window operations: blind vs rank-16 vs exact patches
     agentwin bench eval [--quick]           every reuse method on one harness; writes docs/RESULTS.md
+    agentwin bench fleet --json FILE        a pool of agent workers: shared store vs private stores
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
 
 """
@@ -33,6 +35,7 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
+    from tools import batch_cli, bench_fleet
     from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
@@ -42,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "doc", agents_cli.DOC, "answer a question from a PDF (document navigator)")
     _command(sub, "web", agents_cli.WEB, "do a task in a web browser (web agent)")
     _command(sub, "video", agents_cli.VIDEO, "answer a question about a video (long-video loop)")
+    _command(sub, "batch", batch_cli, "run many agent tasks from a JSON Lines file on workers sharing one store")
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     _command(kinds, "engine", bench_engine, "the KV engine on SmolLM2: recall to first token, decode over segments, memory of a long loop")
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(kinds, "patches", bench_patches, "conditioning patches vs blind reuse on the real SmolLM2 (KL vs bytes)")
     _command(kinds, "eval", bench_eval, "Kamera vs blind, CacheBlend, EPIC, VLCache: accuracy and KL per byte and per compute (docs/RESULTS.md)")
     _command(kinds, "recall", bench_recall, "time from recall of an evicted chunk to the first token vs re-prefill and blind reuse")
+    _command(kinds, "fleet", bench_fleet, "agent workers with one shared store vs a private store each: encodes, hit rate, wall time")
     _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")
     _command(sub, "diagnose", diagnose, "the deficit of chunk B after chunk A, per layer, and what patches recover")
     return parser

@@ -1,0 +1,355 @@
+"""agents.batch and `agentwin batch`: task files, retries, and pools of workers sharing one store.
+
+Twelve document tasks over three PDFs written here (tiny Llama, scripted decisions, so answers are
+fixed while every encode is real), plus one task whose PDF is missing. One worker in this process
+is the reference; two spawned processes and two Ray actors must give the same answers, and a
+shared directory store must save encodes against private stores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agents.batch import (BatchError, Scheduler, Task, TaskFileError, WorkerConfig, parse_task, read_tasks, run_batch,
+                          summarize)
+from agents.doc import write_text_pdf
+from tests.agentwin.store.test_store_remote import server  # noqa: F401 (the redis-server fixture)
+
+MODEL = "tiny-llama-gqa"
+DOCS = {
+    "harbour": ["Harbour. Anja Roth is the harbour master and keeps the tide log.",
+                "Ferry. Lena Okafor sails the Grey Heron from the north pier.",
+                "Market. The fish market opens at five on weekdays."],
+    "hill": ["Observatory. Tobias Mertens polishes the big lens every Monday.",
+             "Chapel. Pavel Ilic plays the organ on Sundays.",
+             "Orchard. The pear trees were planted in 1911."],
+    "mill": ["Mill. The wheel turns twelve times a minute in spring.",
+             "Bakery. Greta bakes rye bread before dawn.",
+             "Bridge. The stone bridge has seven arches."],
+}
+DISTINCT_CHUNKS = sum(len(p) for p in DOCS.values()) + len(DOCS)  # 9 pages + one search result per PDF
+SEARCH = {"harbour": "fish", "hill": "pear", "mill": "arches"}  # a word on page 3
+
+
+def _script(kind: int, name: str) -> list[dict]:
+    """Three ways through a PDF; the budget keeps two pages, so a page seen again is recalled."""
+    return [
+        [{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1}],
+        [{"action": "goto", "page": 3}, {"action": "previous"}, {"action": "previous"}, {"action": "goto", "page": 3}],
+        [{"action": "next"}, {"action": "search", "text": SEARCH[name]}, {"action": "goto", "page": 3}],
+    ][kind]
+
+
+def _task(i: int, names: list[str], pdfs: dict) -> dict:
+    name = names[i % len(names)]
+    script = _script((i // len(names)) % 3, name) + [{"action": "answer", "text": f"{name} answer {i}"}]
+    return {"id": f"t{i:02d}", "kind": "doc", "source": str(pdfs[name]), "question": f"What is on page {1 + i % 3}?",
+            "script": script, "budget_tokens": 170}
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """(tasks: 12 over 3 PDFs + one with a missing PDF, the folder)."""
+    folder = tmp_path_factory.mktemp("batch")
+    pdfs = {name: write_text_pdf(folder / f"{name}.pdf", pages) for name, pages in DOCS.items()}
+    objs = [_task(i, list(DOCS), pdfs) for i in range(12)]
+    objs.append({"id": "missing", "kind": "doc", "source": str(folder / "gone.pdf"), "question": "x",
+                 "script": [{"action": "answer", "text": "x"}]})
+    return [parse_task(o, n + 1) for n, o in enumerate(objs)], folder
+
+
+@pytest.fixture(scope="module")
+def reference(workload):
+    """The tasks on one worker in this process, with a directory store."""
+    tasks, folder = workload
+    return run_batch(tasks, WorkerConfig(model=MODEL, store=str(folder / "store-one"), threads=1))
+
+
+def _by_id(records):
+    return {r["id"]: r for r in records}
+
+
+def _check_against_reference(outcome, reference):
+    got, ref = _by_id(outcome.records), _by_id(reference.records)
+    assert set(got) == set(ref) and len(outcome.records) == 13
+    for tid, r in ref.items():
+        assert (got[tid]["ok"], got[tid]["answer"], got[tid]["steps"], got[tid]["stopped"]) == \
+               (r["ok"], r["answer"], r["steps"], r["stopped"]), tid
+    missing = got["missing"]
+    assert missing["ok"] is False and missing["attempts"] == 2 and "gone.pdf: no such file" in missing["error"]
+    assert missing["first_error"] == missing["error"]
+
+
+def test_one_worker_runs_every_task_and_retries_a_failure_once(reference):
+    records = _by_id(reference.records)
+    assert len(reference.records) == 13 and reference.workers[0]["model"] == MODEL
+    for i in range(12):
+        r = records[f"t{i:02d}"]
+        assert r["ok"] and r["answer"] == f"{list(DOCS)[i % 3]} answer {i}" and r["attempts"] == 1 and r["worker"] == 0
+        assert r["encodes"] == r["forwards"].get("encode", 0) and r["seconds"] > 0
+    # One worker, one store: every distinct chunk is encoded once, by the first task that shows it
+    # (tasks 0-2 read each PDF's pages, 6-8 search each PDF once); the others read the store.
+    encodes = [records[f"t{i:02d}"]["encodes"] for i in range(12)]
+    assert encodes == [3, 3, 3, 0, 0, 0, 1, 1, 1, 0, 0, 0] and sum(encodes) == DISTINCT_CHUNKS
+    assert all(records[f"t{i:02d}"]["store_hits"] > 0 for i in range(3, 12))
+    assert all(records[f"t{i:02d}"]["recalls"] >= 1 for i in (0, 1, 2, 3, 9))  # pages seen again came back
+    missing = records["missing"]
+    assert missing["attempts"] == 2 and missing["error"].endswith("no such file; give the path of a PDF")
+    assert summarize(reference.records)["failed"] == 1
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_worker_and_a_shared_store_saves_encodes(workload, reference):
+    tasks, folder = workload
+    shared = run_batch(tasks, WorkerConfig(model=MODEL, store=str(folder / "store-shared"), threads=1),
+                       workers=2, backend="processes", wait_for_workers=True)
+    private = run_batch(tasks, WorkerConfig(model=MODEL, store=str(folder / "store-private"), private=True, threads=1),
+                        workers=2, backend="processes", wait_for_workers=True)
+    for outcome in (shared, private):
+        _check_against_reference(outcome, reference)
+        assert sorted(w["worker"] for w in outcome.workers) == [0, 1]
+    assert (folder / "store-private" / "worker-0").is_dir() and (folder / "store-private" / "worker-1").is_dir()
+    distinct = summarize(reference.records)["encodes"]  # one worker, one store: every distinct chunk once
+    assert distinct == DISTINCT_CHUNKS
+    enc_shared, enc_private = summarize(shared.records)["encodes"], summarize(private.records)["encodes"]
+    print(f"encodes: one worker {distinct}, shared {enc_shared}, private {enc_private}")
+    assert distinct <= enc_shared <= enc_private / 2 + distinct
+    assert enc_private <= 2 * distinct  # a private store still encodes each chunk once per worker
+    assert summarize(shared.records)["store_hits"] > summarize(private.records)["store_hits"]
+
+
+@pytest.mark.slow
+def test_two_ray_actors_match_one_worker(workload, reference):
+    ray = pytest.importorskip("ray")
+    tasks, folder = workload
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        outcome = run_batch(tasks, WorkerConfig(model=MODEL, store=str(folder / "store-ray"), threads=1),
+                            workers=2, backend="ray", wait_for_workers=True)
+        assert ray.is_initialized()  # a Ray the caller started is left running
+    finally:
+        ray.shutdown()
+    _check_against_reference(outcome, reference)
+    distinct = summarize(reference.records)["encodes"]
+    assert distinct <= summarize(outcome.records)["encodes"] <= 2 * distinct
+    assert {w["worker"] for w in outcome.workers} == {0, 1}
+
+
+# ---- task files --------------------------------------------------------------------------------
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_task_file_lines_are_checked_one_by_one(tmp_path):
+    good = {"id": "a", "kind": "doc", "source": "docs/a.pdf", "question": "Who?", "max_steps": 3, "rank": "exact"}
+    path = _write_lines(tmp_path / "tasks.jsonl", [
+        good,
+        '{"id": "b", "kind": "doc", "source": "a.pdf", "question": "x"',  # cut off
+        {"id": "c", "kind": "audio", "source": "a.wav", "question": "x"},
+        {"id": "d", "kind": "doc", "source": "a.pdf"},
+        {"id": "e", "kind": "doc", "source": "a.pdf", "question": "x", "max_step": 3},
+        {"id": "a", "kind": "doc", "source": "b.pdf", "question": "again"},
+        "",
+        {"kind": "web", "source": "http://127.0.0.1:1/", "task": "Find it", "allow_hosts": "127.0.0.1",
+         "script": [{"action": "answer", "text": "-"}]},
+        [1, 2],
+    ])
+    tasks, bad = read_tasks(path)
+    assert [t.id for t in tasks] == ["a", "line 8"]
+    a, web = tasks
+    assert a.source == str(tmp_path / "docs" / "a.pdf") and a.options == {"max_steps": 3, "rank": None}
+    assert web.kind == "web" and web.source == "http://127.0.0.1:1/" and web.question == "Find it"
+    assert web.options == {"allow_hosts": ["127.0.0.1"]} and json.loads(web.script[0])["action"] == "answer"
+    errors = {b["id"]: b["error"] for b in bad}
+    assert f"{path}:2: not a JSON object" in errors["line 2"] and "each line must be one complete JSON object" in errors["line 2"]
+    assert "unknown \"kind\" 'audio'; use one of doc, web, video" in errors["c"]
+    assert '"question" (or "task") is missing' in errors["d"]
+    assert "unknown field(s) 'max_step'" in errors["e"] and "max_steps" in errors["e"]
+    assert "duplicate id 'a' (first on line 1)" in errors["a"]
+    assert "a task must be a JSON object, got list" in errors["line 9"]
+    assert all(b["ok"] is False and b["attempts"] == 0 for b in bad)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ('[{"kind": "doc"}]', "the file is a JSON array; write one task object per line"),
+    ("\n\n", "no tasks in the file"),
+    ('{\n  "kind": "doc",\n  "source": "a.pdf"\n}\n', "no line is a JSON object"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+])
+def test_a_task_file_that_cannot_be_used_at_all(tmp_path, content, message):
+    path = tmp_path / "tasks.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(TaskFileError, match=message):
+        read_tasks(path)
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"kind": "doc", "source": "", "question": "x"}, '"source" is missing or empty; give the path'),
+    ({"kind": "web", "question": "x"}, "give a start URL"),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "task": "y"}, 'either "question" or "task"'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_steps": 0}, '"max_steps" must be a positive integer'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "rank": "low"}, '"rank" must be a positive integer or "exact"'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch": "all"}, '"patch" must be one of origin'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "script": []}, '"script" must be a non-empty list'),
+    ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive number'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "fps": 2}, "unknown field(s) 'fps' for a doc task"),
+])
+def test_parse_task_says_what_to_fix(obj, message):
+    from agents.batch import TaskError
+
+    with pytest.raises(TaskError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_task(obj, 1)
+
+
+# ---- the driver without models -----------------------------------------------------------------
+
+class _FakePool:
+    """Worker 0 dies under its first task; worker 1 runs everything it gets."""
+
+    def __init__(self):
+        self.size, self.events, self.closed = 2, [("ready", 0, {"worker": 0}), ("ready", 1, {"worker": 1})], None
+
+    def submit(self, wid, task, attempt):
+        if wid == 0:
+            self.events.append(("died", 0, "exited with code -9"))
+        else:
+            self.events.append(("done", 1, {"id": task.id, "ok": True, "error": None, "attempts": attempt, "worker": 1}))
+
+    def poll(self, timeout):
+        out, self.events = self.events, []
+        return out
+
+    def close(self, interrupted=False):
+        self.closed = interrupted
+
+
+def test_a_task_whose_worker_died_is_retried_on_another(monkeypatch):
+    import agents.batch as batch
+
+    pool = _FakePool()
+    monkeypatch.setattr(batch, "make_pool", lambda *a, **k: pool)
+    tasks = [Task(id=f"x{i}", kind="doc", source="a.pdf", question="q") for i in range(3)]
+    news = []
+    outcome = run_batch(tasks, WorkerConfig(model=MODEL), workers=2, backend="processes", on_status=news.append)
+    records = _by_id(outcome.records)
+    assert set(records) == {"x0", "x1", "x2"} and all(r["ok"] for r in records.values())
+    assert records["x0"]["attempts"] == 2 and records["x0"]["first_error"] == \
+        "worker 0 exited with code -9 while running this task"
+    assert any("worker 0 died" in n for n in news) and pool.closed is False
+
+
+def test_no_worker_starting_is_one_clear_error(tmp_path):
+    model = str(tmp_path / "no-model")  # a path, not a hub name: nothing is looked up online
+    with pytest.raises(BatchError, match=f"no worker could start: worker 0: cannot load model '{model}'"):
+        run_batch([Task(id="a", kind="doc", source="a.pdf", question="q")], WorkerConfig(model=model))
+
+
+def test_scheduler_retries_once_then_gives_up():
+    task = Task(id="a", kind="doc", source="a.pdf", question="q")
+    sched = Scheduler([task], retries=1)
+    t, attempt = sched.take()
+    assert sched.settle(t, attempt, {"id": "a", "error": "boom"}) is None and not sched.finished
+    t, attempt = sched.take()
+    final = sched.settle(t, attempt, {"id": "a", "error": "boom again"})
+    assert attempt == 2 and final["first_error"] == "boom" and sched.finished
+    with pytest.raises(ValueError, match="retries must be an int >= 0"):
+        Scheduler([], retries=-1)
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def _cli_tasks(tmp_path, workload, extra=()):
+    tasks, folder = workload
+    lines = [_task_json(t, folder) for t in tasks[:4]] + list(extra)
+    return _write_lines(tmp_path / "tasks.jsonl", lines)
+
+
+def _task_json(task, folder):
+    from agents.batch import task_to_json
+
+    out = task_to_json(task)
+    out["source"] = str(task.source)
+    return out
+
+
+def test_cli_writes_one_result_line_per_task_and_reports_bad_lines(tmp_path, workload, capsys):
+    from tools.cli import main
+
+    path = _cli_tasks(tmp_path, workload, extra=['{"id": "broken", "kind": '])
+    out = tmp_path / "results.jsonl"
+    code = main(["batch", str(path), "--model", MODEL, "--store", str(tmp_path / "store"), "--out", str(out),
+                 "--threads", "1", "--quiet"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 1  # one line failed
+    assert [r["id"] for r in records][0] == "line 5" and "not a JSON object" in records[0]["error"]
+    assert sorted(r["id"] for r in records[1:]) == ["t00", "t01", "t02", "t03"] and all(r["ok"] for r in records[1:])
+    err = capsys.readouterr().err
+    assert "5 tasks: 4 answered, 1 failed" in err and "line 5:" in err
+
+
+def test_cli_ctrl_c_keeps_finished_results_and_resume_runs_the_rest(tmp_path, workload, monkeypatch, capsys):
+    import agents.batch as batch
+    from tools.cli import main
+
+    path = _cli_tasks(tmp_path, workload)
+    out = tmp_path / "results.jsonl"
+    original, calls = batch.Worker.run, []
+
+    def interrupted(self, task, attempt=1):
+        calls.append(task.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, task, attempt)
+
+    monkeypatch.setattr(batch.Worker, "run", interrupted)
+    args = ["batch", str(path), "--model", MODEL, "--out", str(out), "--threads", "1", "--quiet"]
+    assert main(args) == 130
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t00", "t01"]
+    assert "interrupted: 2 of 4 tasks finished" in capsys.readouterr().err
+    monkeypatch.setattr(batch.Worker, "run", original)
+    assert main(args + ["--resume"]) == 0
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["t00", "t01", "t02", "t03"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--resume"], "--resume needs --out"),
+    (["--retries", "-1"], "--retries must be 0 or more"),
+    (["--store", "http://kv.example/"], "--store must be a directory or a redis:// / rediss:// URL, got http://..."),
+])
+def test_cli_refuses_bad_options(tmp_path, args, message, capsys):
+    from tools.cli import main
+
+    path = _write_lines(tmp_path / "t.jsonl", [{"kind": "doc", "source": "a.pdf", "question": "x"}])
+    assert main(["batch", str(path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unusable_task_file_is_exit_2(tmp_path, capsys):
+    from tools.cli import main
+
+    assert main(["batch", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: no such file; give a JSON Lines file" in capsys.readouterr().err
+
+
+# ---- a Redis store -----------------------------------------------------------------------------
+
+def test_workers_share_canonical_kv_through_redis(workload, reference, server):
+    """Two workers one after the other (each a fresh store object: empty RAM) on a test-started
+    redis-server: the second encodes nothing and reads everything from the remote tier."""
+    tasks, _ = workload
+    config = WorkerConfig(model=MODEL, store=server.url, threads=1)
+    first = run_batch(tasks[:12], config)
+    second = run_batch(tasks[:12], config)
+    assert summarize(first.records)["encodes"] == DISTINCT_CHUNKS and summarize(second.records)["encodes"] == 0
+    for outcome in (first, second):
+        assert {r["id"]: r["answer"] for r in outcome.records} == \
+               {r["id"]: r["answer"] for r in reference.records if r["id"] != "missing"}
+    remote = summarize(second.records)["store"]
+    assert remote["remote_hits"] >= DISTINCT_CHUNKS and summarize(first.records)["store"]["remote_hits"] == 0

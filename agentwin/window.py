@@ -36,76 +36,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, NewType, Sequence, Union
+from typing import Any, NewType, Sequence
 
 import torch
 
+from agentwin.content import Content, Frames, Image, Text
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import VisionChunk
-from kamera_core.segment import Segment
 from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
                             tensors_to_patch)
+from agentwin.window_stats import WindowStats, kv_nbytes
 from kamera_core import patch as kp
+from kamera_core.segment import Segment
 
 ChunkId = NewType("ChunkId", int)
 POLICIES = ("none", "origin", "orbit", "fresh")
 EVICTION = ("fifo", "lru")
 
 
-@dataclass(frozen=True, slots=True)
-class Text:
-    """A text chunk."""
-
-    text: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str):
-            raise TypeError(f"Text needs a str, got {type(self.text).__name__}")
-        if not self.text:
-            raise ValueError("Text needs at least one character")
-
-
 def _summary(kv: Sequence[LayerKV]) -> torch.Tensor:
     return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
-
-
-@dataclass(frozen=True)
-class Image:
-    """An image chunk (vision-language models): a PIL image, a path, encoded bytes or an
-    `[H, W, 3]` uint8 array, resized the qwen-vl-utils way to `min_tokens..max_tokens` tokens."""
-
-    source: Any
-    min_tokens: int = 4
-    max_tokens: int = 1024
-
-    def __post_init__(self) -> None:
-        _check_tokens(self.min_tokens, self.max_tokens)
-
-
-@dataclass(frozen=True)
-class Frames:
-    """A run of video frames as one chunk (vision-language models), sampled by the caller (see
-    `agents.video`); `timestamps` in seconds (default i / fps); token budgets are per frame."""
-
-    frames: Sequence[Any]
-    timestamps: Sequence[float] | None = None
-    fps: float = 2.0
-    min_tokens: int = 128
-    max_tokens: int = 768
-
-    def __post_init__(self) -> None:
-        _check_tokens(self.min_tokens, self.max_tokens)
-
-
-def _check_tokens(lo: object, hi: object) -> None:
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise ValueError(f"token budgets need 1 <= min_tokens <= max_tokens (ints), got {lo!r}, {hi!r}")
-
-
-Content = Union[Text, Image, Frames, str]
 
 
 @dataclass(slots=True)
@@ -129,48 +81,6 @@ class _Chunk:
     orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     orbit_seen: set[tuple[ChunkKey, ...]] = field(default_factory=set)
     orbit_patch: kp.ChunkPatch | None = None  # fit of the mean; None when stale
-
-
-FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit")
-
-
-@dataclass
-class WindowStats:
-    """Counters and times of one window.
-
-    forwards / forward_tokens: model forwards run by this window and the tokens they computed,
-        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
-        window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
-        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`).
-    relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
-        chunk at that placement; `prefill_tokens_avoided` counts their tokens. A chunk served from
-        a pass this window ran (append, conditioned pass) is never counted there.
-    held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
-        in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
-        store's tiers (RAM, disk, device bytes) at the last stats() call.
-    """
-
-    patch_hits: int = 0
-    patch_misses: int = 0
-    canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
-    encode_tokens_avoided: int = 0
-    conditioned_passes: int = 0
-    relocations: int = 0
-    prefill_tokens_avoided: int = 0
-    evictions: int = 0
-    recalls: int = 0
-    encoder_calls: int = 0  # vision-tower runs
-    encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
-    patch_bytes: int = 0
-    held_bytes: int = 0
-    forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    store: object = None  # StoreStats at the last stats() call
-
-
-def _nbytes(kv: Sequence[LayerKV] | None) -> int:
-    return 0 if kv is None else sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
 
 class Window:
@@ -438,7 +348,7 @@ class Window:
         held = 0
         for cid in self._order:
             c = self._chunks[cid]
-            held += _nbytes(c.canonical) + (_nbytes(c.exact[2]) if c.exact else 0)
+            held += kv_nbytes(c.canonical) + (kv_nbytes(c.exact[2]) if c.exact else 0)
             held += sum(p.nbytes for p in c.patches.values())
         self._stats.held_bytes = held
         return self._stats

@@ -1,0 +1,52 @@
+"""`WindowStats`: what one window did, every forward counted by kind."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit")
+
+
+@dataclass
+class WindowStats:
+    """Counters and times of one window.
+
+    forwards / forward_tokens: model forwards run by this window and the tokens they computed,
+        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
+        window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
+        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`).
+    relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
+        chunk at that placement; `prefill_tokens_avoided` counts their tokens. A chunk served from
+        a pass this window ran (append, conditioned pass) is never counted there.
+    held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
+        in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
+        store's tiers (RAM, disk, device bytes) at the last stats() call.
+    """
+
+    patch_hits: int = 0
+    patch_misses: int = 0
+    canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
+    encode_tokens_avoided: int = 0
+    conditioned_passes: int = 0
+    relocations: int = 0
+    prefill_tokens_avoided: int = 0
+    evictions: int = 0
+    recalls: int = 0
+    encoder_calls: int = 0  # vision-tower runs
+    encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
+    patch_bytes: int = 0
+    held_bytes: int = 0
+    forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    store: object = None  # StoreStats at the last stats() call
+
+
+def kv_nbytes(kv: Sequence[LayerKV] | None) -> int:
+    return 0 if kv is None else sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)

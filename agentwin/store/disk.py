@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -303,14 +304,21 @@ class DiskTier:
             return status, None, None
         if (rec.fingerprint, rec.tenant) != (fingerprint, tenant):
             return "foreign", rec, None
+        path = self.root / rec.file
         try:
-            blob = (self.root / rec.file).read_bytes()
+            # Hashed through a read-only memory map (no copy of the file in this process), then
+            # parsed by safetensors from the file itself: one copy of the data, in the tensors.
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != rec.data_size or size == 0:
+                    return "corrupt", rec, None
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                    if hashlib.sha256(view).hexdigest() != rec.sha256:
+                        return "corrupt", rec, None
         except FileNotFoundError:
             return "corrupt", rec, None
-        if len(blob) != rec.data_size or hashlib.sha256(blob).hexdigest() != rec.sha256:
-            return "corrupt", rec, None
         try:
-            tensors = safetensors.torch.load(blob)
+            tensors = safetensors.torch.load_file(str(path))
         except (safetensors.SafetensorError, ValueError, TypeError):
             # A file that matches its checksum but does not parse as safetensors was written
             # wrong: corruption (dropped and recomputed). Other errors (memory, I/O) propagate.

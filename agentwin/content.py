@@ -1,13 +1,16 @@
 """What a window holds, as users hand it over: text, images and runs of video frames.
 
-Each is a frozen value checked when it is made; `Window.append` turns it into model inputs (token
-ids, or a `VisionChunk` of processed pixels) and a content key.
+Each is a frozen value checked when it is made; `model_inputs` turns it into model inputs (token
+ids, or a `VisionChunk` of processed pixels) and a content key for `Window.append`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
+
+from agentwin.models.adapter import ChunkInput, KameraModel
+from agentwin.store import ChunkKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +60,22 @@ def _check_tokens(lo: object, hi: object) -> None:
 
 
 Content = Union[Text, Image, Frames, str]
+
+
+def model_inputs(km: KameraModel, tenant: str, content: Any) -> tuple[ChunkInput, ChunkKey]:
+    """Model inputs of a chunk (token ids, or a `VisionChunk`) and its content key, which covers
+    what fixes its canonical KV (token ids; for images and frames the processed pixels, grid and
+    settings). TypeError / ValueError for content the model cannot take."""
+    fp = km.fingerprint
+    if isinstance(content, Text):
+        ids = km.tokenize(content.text)
+        if ids.numel() == 0:
+            raise ValueError("the text tokenizes to no tokens")
+        return ids, ChunkKey.of(fp, "text", ids.tolist(), tenant=tenant)
+    if isinstance(content, Image):
+        vc = km.image(content.source, content.min_tokens, content.max_tokens)
+    elif isinstance(content, Frames):
+        vc = km.frames(content.frames, content.timestamps, content.fps, content.min_tokens, content.max_tokens)
+    else:
+        raise TypeError(f"append takes Text, Image, Frames or str, got {type(content).__name__}")
+    return vc, ChunkKey.of(fp, vc.kind, bytes.fromhex(vc.digest), tenant=tenant)

@@ -34,17 +34,18 @@ chunk again, counted, if the store dropped it).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, NewType, Sequence
+from typing import NewType, Sequence
 
 import torch
 
-from agentwin.content import Content, Frames, Image, Text
+from agentwin import pixels
+from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import VisionChunk
+from agentwin.orbit import Orbit
 from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
                             tensors_to_patch)
 from agentwin.window_stats import WindowStats, kv_nbytes
@@ -77,10 +78,7 @@ class _Chunk:
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
     served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
     pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
-    # "orbit" policy only: summed deficits over the antecedents seen (kept across evictions)
-    orbit: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    orbit_seen: set[tuple[ChunkKey, ...]] = field(default_factory=set)
-    orbit_patch: kp.ChunkPatch | None = None  # fit of the mean; None when stale
+    orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
 
 
 class Window:
@@ -128,7 +126,7 @@ class Window:
         canonical KV and its patch for this antecedent."""
         t0 = time.perf_counter()
         content = Text(content) if isinstance(content, str) else content
-        inputs, key = self._prepare(content)  # raises before anything changes
+        inputs, key = model_inputs(self.km, self.store.tenant, content)  # raises before anything changes
         ids = self.km.ids(inputs)
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
@@ -483,44 +481,16 @@ class Window:
 
     def _add_orbit(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], deltas: list | None) -> None:
         """Count one antecedent's deficit (None: the chunk first, a zero deficit) in the orbit."""
-        if antecedent in chunk.orbit_seen:
-            return
-        chunk.orbit_seen.add(antecedent)
         if chunk.orbit is None:
-            chunk.orbit = [(torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
-                           for k, v in self._hold(chunk)]
-        if deltas is not None:
-            for (sk, sv), (dk, dv) in zip(chunk.orbit, deltas):
-                sk += dk.float()
-                sv += dv.float()
-        chunk.orbit_patch = None
+            chunk.orbit = Orbit.of(self._hold(chunk))
+        chunk.orbit.add(antecedent, deltas)
 
     def _orbit_patch(self, chunk: _Chunk) -> kp.ChunkPatch:
         """The low-rank fit of the chunk's mean deficit over the antecedents in its orbit."""
-        if chunk.orbit_patch is None:
-            n = len(chunk.orbit_seen)
-            mean = [(k / n, v / n) for k, v in chunk.orbit]
-            rank = self.rank or max(t.shape[0] for t in self._hold(chunk)[0])
-            chunk.orbit_patch = kp.build_patch(mean, [(rank, rank)] * len(mean), "svd", storage=self.storage)
-            self._stats.patch_bytes += chunk.orbit_patch.nbytes
-        return chunk.orbit_patch
-
-    def _prepare(self, content: Any) -> tuple[ChunkInput, ChunkKey]:
-        """Model inputs and content key of a chunk; the key covers what fixes its canonical KV
-        (token ids; for images and frames the processed pixels, grid and settings)."""
-        fp, tenant = self.km.fingerprint, self.store.tenant
-        if isinstance(content, Text):
-            ids = self.km.tokenize(content.text)
-            if ids.numel() == 0:
-                raise ValueError("the text tokenizes to no tokens")
-            return ids, ChunkKey.of(fp, "text", ids.tolist(), tenant=tenant)
-        if isinstance(content, Image):
-            vc = self.km.image(content.source, content.min_tokens, content.max_tokens)
-        elif isinstance(content, Frames):
-            vc = self.km.frames(content.frames, content.timestamps, content.fps, content.min_tokens, content.max_tokens)
-        else:
-            raise TypeError(f"append takes Text, Image, Frames or str, got {type(content).__name__}")
-        return vc, ChunkKey.of(fp, vc.kind, bytes.fromhex(vc.digest), tenant=tenant)
+        patch, fitted = chunk.orbit.fit(self.rank or max(t.shape[0] for t in self._hold(chunk)[0]), self.storage)
+        if fitted:
+            self._stats.patch_bytes += patch.nbytes
+        return patch
 
     def _features(self, vc: VisionChunk) -> dict:
         """Vision-tower outputs of `vc` through the encoder cache: the tower runs once per image."""
@@ -534,35 +504,17 @@ class Window:
         return out
 
     def _spill_pixels(self, chunk: _Chunk) -> None:
-        """An evicted image or frame chunk's pixels go to the store (under its budgets, spilled to
-        disk with a root) and leave the window, which keeps only ids, grid and positions. A store
-        that refuses them (larger than its RAM budget and no disk tier) leaves them in the window."""
-        inputs = chunk.inputs
-        if not isinstance(inputs, VisionChunk) or chunk.pixels_key is not None:
-            return
-        key = ChunkKey.of(self.km.fingerprint, "pixels", bytes.fromhex(inputs.digest), tenant=self.store.tenant)
-        try:
-            self.store.put(key, {"pixels": inputs.pixels}, {"modality": inputs.kind})
-        except ValueError:
-            return  # refused for size: kept here, as before
-        chunk.pixels_key = key
-        chunk.inputs = dataclasses.replace(inputs, pixels=inputs.pixels[:0])
-        # `digest` is a cached property of the frozen chunk: seed it with the real pixels' digest.
-        chunk.inputs.__dict__["digest"] = inputs.digest
+        """An evicted vision chunk's pixels leave the window for the store (`agentwin.pixels`)."""
+        if isinstance(chunk.inputs, VisionChunk) and chunk.pixels_key is None:
+            spilled = pixels.spill(self.store, self.km.fingerprint, chunk.inputs)
+            if spilled is not None:  # else refused for size: kept here
+                chunk.inputs, chunk.pixels_key = spilled
 
     def _restore_pixels(self, chunk: _Chunk) -> None:
-        """Pixels of an evicted vision chunk back from the store (ValueError, nothing changed, when
-        the store's budget has dropped them)."""
-        if chunk.pixels_key is None:
-            return
-        hit = self.store.get(chunk.pixels_key)
-        if hit is None:
-            raise ValueError(f"chunk {chunk.id}'s pixels were dropped by the store's budget while it was evicted; "
-                             "append the image or frames again (or give the store a disk root or a larger budget)")
-        digest = chunk.inputs.digest
-        chunk.inputs = dataclasses.replace(chunk.inputs, pixels=hit[0]["pixels"])
-        chunk.inputs.__dict__["digest"] = digest
-        chunk.pixels_key = None
+        """Pixels of an evicted vision chunk back from the store (ValueError, nothing changed)."""
+        if chunk.pixels_key is not None:
+            chunk.inputs = pixels.restore(self.store, chunk.pixels_key, chunk.inputs, f"chunk {chunk.id}")
+            chunk.pixels_key = None
 
     def _load_canonical(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
         """Canonical KV from the store (the store's own tensors, not copies), or None."""

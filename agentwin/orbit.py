@@ -1,0 +1,52 @@
+"""Orbit patches: one patch per chunk that serves every order of a set of chunks.
+
+A chunk's orbit sums its deficits Δ = KV(B|A) − KV(B|∅) over the distinct antecedents A it was
+conditioned on (coming first counts once, as a zero deficit); the patch is the low-rank fit of
+their mean, refitted only when a new antecedent joins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+from kamera_core import patch as kp
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class Orbit:
+    """Summed deficits `[(ΔK, ΔV)]` per layer (float32, the chunk's shapes) over `seen` antecedents."""
+
+    sums: list[LayerKV]
+    seen: set[Hashable] = field(default_factory=set)
+    patch: kp.ChunkPatch | None = None  # fit of the mean; None when stale
+
+    @classmethod
+    def of(cls, canonical: Sequence[LayerKV]) -> Orbit:
+        """An empty orbit for a chunk whose canonical KV is `canonical`."""
+        return cls([(torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+                    for k, v in canonical])
+
+    def add(self, antecedent: Hashable, deltas: Sequence[LayerKV] | None) -> None:
+        """Count one antecedent's deficit (None: the chunk first, a zero deficit) once."""
+        if antecedent in self.seen:
+            return
+        self.seen.add(antecedent)
+        if deltas is not None:
+            for (sk, sv), (dk, dv) in zip(self.sums, deltas):
+                sk += dk.float()
+                sv += dv.float()
+        self.patch = None
+
+    def fit(self, rank: int, storage: str) -> tuple[kp.ChunkPatch, bool]:
+        """The rank-`rank` fit of the mean deficit, and whether it was fitted now (not cached)."""
+        if self.patch is not None:
+            return self.patch, False
+        n = len(self.seen)
+        mean = [(k / n, v / n) for k, v in self.sums]
+        self.patch = kp.build_patch(mean, [(rank, rank)] * len(mean), "svd", storage=storage)
+        return self.patch, True

@@ -34,6 +34,7 @@ chunk again, counted, if the store dropped it).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import NewType, Sequence
@@ -55,6 +56,25 @@ from kamera_core.segment import Segment
 ChunkId = NewType("ChunkId", int)
 POLICIES = ("none", "origin", "orbit", "fresh")
 EVICTION = ("fifo", "lru")
+
+
+def _timed(method):
+    """Time a public operation into `stats.seconds[name]` and, at the outermost call only (an
+    append's evictions are part of the append), into `stats.wall_s`."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0, self._depth = time.perf_counter(), self._depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            spent = time.perf_counter() - t0
+            self._stats.seconds[name] += spent
+            if self._depth == 0:
+                self._stats.wall_s += spent
+    return timed
 
 
 def _summary(kv: Sequence[LayerKV]) -> torch.Tensor:
@@ -110,6 +130,7 @@ class Window:
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
+        self._depth = 0  # nesting of timed public operations
         self._chunks: dict[ChunkId, _Chunk] = {}
         self._order: list[ChunkId] = []
         self._pinned: set[ChunkId] = set()
@@ -119,12 +140,12 @@ class Window:
 
     # ---- operations ---------------------------------------------------------------------------
 
+    @_timed
     def append(self, content: Content, pin: bool = False) -> ChunkId:
         """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
         evicts the oldest unpinned chunks past `budget_tokens`. Runs the chunk's in-context pass
         (and its canonical encode, once per content) unless the store already holds both its
         canonical KV and its patch for this antecedent."""
-        t0 = time.perf_counter()
         content = Text(content) if isinstance(content, str) else content
         inputs, key = model_inputs(self.km, self.store.tenant, content)  # raises before anything changes
         ids = self.km.ids(inputs)
@@ -160,9 +181,9 @@ class Window:
         self._touch(chunk.id)
         if pin:
             self._pinned.add(chunk.id)
-        self._stats.seconds["append"] += time.perf_counter() - t0
         return chunk.id
 
+    @_timed
     def evict(self, chunk_id: ChunkId) -> None:
         """Take a chunk out of the window. The window lets go of its KV and patches; they stay in
         the store's tiers (under the store's budgets) for a recall."""
@@ -178,6 +199,7 @@ class Window:
         self._used.pop(chunk_id, None)
         self._stats.evictions += 1
 
+    @_timed
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> list[ChunkId]:
         """Bring an evicted chunk back, at its old slot by default (clamped to the window's end),
         or at index `at`. Evicts by the window's policy first when the budget needs room (the
@@ -201,6 +223,7 @@ class Window:
         self._stats.recalls += 1
         return victims
 
+    @_timed
     def slide(self, free_tokens: int = 0) -> list[ChunkId]:
         """Evict by the window's policy (FIFO or LRU, pinned chunks kept) until `free_tokens` more
         tokens fit within the budget; returns the evicted chunks."""
@@ -216,6 +239,7 @@ class Window:
         self._require_in_window(chunk_id)
         self._touch(chunk_id)
 
+    @_timed
     def fit_orbit(self, orders: int = 6, seed: int = 0) -> int:
         """Add the deficits of the window's chunks under `orders` random orders of them (one
         forward of the whole window per order) to each chunk's orbit ("orbit" policy), so that
@@ -225,7 +249,6 @@ class Window:
             raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
         if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
             raise ValueError(f"orders must be a positive int, got {orders!r}")
-        t0 = time.perf_counter()
         g = torch.Generator().manual_seed(seed)
         seen: set[tuple[ChunkId, ...]] = set()
         for _ in range(orders * 4):
@@ -249,9 +272,9 @@ class Window:
                     self._add_orbit(chunk, (), None)
                 start += chunk.span
                 token += n
-        self._stats.seconds["fit_orbit"] += time.perf_counter() - t0
         return len(seen)
 
+    @_timed
     def reorder(self, order: Sequence[ChunkId]) -> None:
         """Set the window's order; `order` must be a permutation of the chunks in the window."""
         if sorted(order) != sorted(self._order) or len(set(order)) != len(order):
@@ -268,6 +291,12 @@ class Window:
 
     def chunks(self) -> list[ChunkId]:
         return list(self._order)
+
+    def chunk_tokens(self, chunk_id: ChunkId) -> int:
+        """Tokens of a chunk, in the window or evicted."""
+        if chunk_id not in self._chunks:
+            raise ValueError(f"unknown chunk id {chunk_id!r}")
+        return int(self._chunks[chunk_id].ids.numel())
 
     def tokens(self) -> int:
         return sum(int(self._chunks[c].ids.numel()) for c in self._order)
@@ -290,15 +319,14 @@ class Window:
             parts.append(self._query_ids(query))
         return self.km.reference_inputs(parts)
 
+    @_timed
     def next_token_logprobs(self, query: str) -> torch.Tensor:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
         read in place (segment attention)."""
-        t0 = time.perf_counter()
         ids = self._query_ids(query)
         cache = self._cache(self._order)
         logits = self.km.query_logits(cache, self._span(self._order), ids)
         self._count("query", int(ids.numel()))
-        self._stats.seconds["next_token_logprobs"] += time.perf_counter() - t0
         return torch.log_softmax(logits, -1)
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
@@ -307,12 +335,12 @@ class Window:
         parts = [self._chunks[c].inputs for c in self._order] + [self._query_ids(query)]
         return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
+    @_timed
     def generate(self, query: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of `query` read after the window's KV (in place); each decoded
         token's KV joins the cache's tail, nothing else is copied."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        t0 = time.perf_counter()
         ids = self._query_ids(query)
         cache = self._cache(self._order)
         position, out, kind = self._span(self._order), [], "query"
@@ -328,7 +356,6 @@ class Window:
                 break
             out.append(token)
             ids = torch.tensor([token])
-        self._stats.seconds["generate"] += time.perf_counter() - t0
         return self.km.tokenizer.decode(out)
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
@@ -526,7 +553,7 @@ class Window:
             raise RuntimeError(f"store entry {key} does not hold this chunk's KV ({len(kv)} layers, "
                                f"{kv[0][0].shape[0] if kv else 0} tokens); this indicates a bug")
         self._stats.canonical_hits += 1
-        self._stats.encode_tokens_avoided += tokens
+        self._stats.store_hit_tokens += tokens
         return kv
 
     def _put_canonical(self, chunk: _Chunk, kv: list[LayerKV]) -> list[LayerKV]:
@@ -585,9 +612,11 @@ class Window:
                 canonical = self._hold(chunk)
                 for i, (layer, (k, v)) in enumerate(zip(layers, canonical)):
                     layer.append(Segment(k, v, first, start, None if patch is None else patch.layers[i]))
-                if chunk.served != (antecedent, start) and self._num_forwards() == forwards:
+                # Canonical KV is the chunk computed first at position 0: serving it there is no move.
+                moved = bool(antecedent) or start != 0
+                if moved and chunk.served != (antecedent, start) and self._num_forwards() == forwards:
                     self._stats.relocations += 1
-                    self._stats.prefill_tokens_avoided += int(chunk.ids.numel())
+                    self._stats.relocated_tokens += int(chunk.ids.numel())
             chunk.served = (antecedent, start)
             start += chunk.span
             first += int(chunk.ids.numel())

@@ -21,9 +21,15 @@ class WindowStats:
         by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
         window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
         "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`).
+    forwarded_tokens: all of `forward_tokens` (every token any forward of this window computed).
     relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
-        chunk at that placement; `prefill_tokens_avoided` counts their tokens. A chunk served from
-        a pass this window ran (append, conditioned pass) is never counted there.
+        chunk at that placement; `relocated_tokens` counts their tokens. A chunk served from a pass
+        this window ran (append, conditioned pass) is never counted there. These are placements,
+        not savings: the chunk's tokens were computed when it was appended (and encoded), and a
+        saving exists only against a baseline run on the same inputs (`agentwin bench trace`).
+    store_hit_tokens: tokens of chunks whose canonical KV came from the store instead of an encode.
+    seconds: wall time by operation (public operations and the passes inside them); `wall_s`: wall
+        time inside this window's public operations, each counted once (not nested ones).
     held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
         in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
         store's tiers (RAM, disk, device bytes) at the last stats() call.
@@ -32,10 +38,10 @@ class WindowStats:
     patch_hits: int = 0
     patch_misses: int = 0
     canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
-    encode_tokens_avoided: int = 0
+    store_hit_tokens: int = 0
     conditioned_passes: int = 0
     relocations: int = 0
-    prefill_tokens_avoided: int = 0
+    relocated_tokens: int = 0
     evictions: int = 0
     recalls: int = 0
     encoder_calls: int = 0  # vision-tower runs
@@ -45,7 +51,12 @@ class WindowStats:
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    wall_s: float = 0.0
     store: object = None  # StoreStats at the last stats() call
+
+    @property
+    def forwarded_tokens(self) -> int:
+        return int(sum(self.forward_tokens.values()))
 
 
 def kv_nbytes(kv: Sequence[LayerKV] | None) -> int:

@@ -92,7 +92,7 @@ def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
     mine = win.next_token_logprobs(QUERY)
     s = win.stats()
     assert dict(s.forwards) == {"encode": 3, "in_context": 2, "query": 1}
-    assert s.relocations == 0 and s.prefill_tokens_avoided == 0 and s.conditioned_passes == 0
+    assert s.relocations == 0 and s.relocated_tokens == 0 and s.conditioned_passes == 0
     assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
     # The same content again in a second window over the same store: canonical KV and the patch
     # for this very antecedent are stored, so appending runs no forward at all.
@@ -102,7 +102,7 @@ def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
     again.next_token_logprobs(QUERY)
     s2 = again.stats()
     assert dict(s2.forwards) == {"query": 1} and s2.canonical_hits == 3
-    assert s2.prefill_tokens_avoided == sum(len(km.tokenize(t)) for t in TEXTS[:3])
+    assert s2.relocated_tokens == sum(len(km.tokenize(t)) for t in TEXTS[1:3])
 
 
 def test_budget_slides_fifo_and_respects_pins():
@@ -207,7 +207,7 @@ def test_store_shares_canonical_kv_and_patches_across_windows(tmp_path):
         second.append(t)
     got = second.next_token_logprobs(QUERY)
     s = second.stats()
-    assert s.canonical_hits == 3 and s.conditioned_passes == 0 and s.encode_tokens_avoided > 0
+    assert s.canonical_hits == 3 and s.conditioned_passes == 0 and s.store_hit_tokens > 0
     assert s.store.hits >= 3 and s.store.disk_bytes > 0
     # The first window serves its in-context passes, the second canonical KV + exact patches:
     # the same distribution up to float32 rounding.
@@ -345,7 +345,7 @@ def test_orbit_patch_is_the_mean_deficit_over_the_fitted_orders():
 def test_orbit_patch_beats_origin_on_reorders_on_smollm2(smollm2):
     """Measured on the real model: rank-16 patches after reorders of four chunks; the orbit patch
     fitted over 6 orders keeps the KL to re-prefill well under the origin patch's."""
-    from tools.patch_texts import make_case
+    from agentwin.eval.datasets import make_case
 
     model, tokenizer = smollm2
     km = KameraModel(model, tokenizer, name="smollm2")

@@ -13,15 +13,9 @@ placements is fitted from that same pass. The canonical encode runs once per con
 first chunk of a window it is the in-context pass itself). A chunk whose canonical KV and patch
 for this very antecedent are already stored is appended with no forward at all.
 
-Patch policies:
-- "none": blind reuse, no patch (append encodes a new chunk alone and serves that).
-- "origin": the patch fitted when the chunk was appended; for an antecedent never seen, that
-  origin patch is reused as an approximation (with `rank=None` a fresh exact patch is computed).
-- "orbit": each chunk keeps the mean of its deficits over the distinct antecedents it was
-  conditioned on (at append, and under sampled orders of the window by `fit_orbit`; coming first
-  counts once, as a zero deficit); an antecedent without its own patch gets the low-rank fit of
-  that mean, which serves all orders of the same chunks instead of the one it was appended after.
-- "fresh": every new antecedent gets its own pass (costs that pass; its exact KV is then served).
+Patch policies (`agentwin.policies`): "none" (blind reuse), "origin" (the patch fitted at append,
+reused for antecedents never seen), "orbit" (the fit of the mean deficit over the antecedents
+measured; `fit_orbit` adds sampled orders), "fresh" (a conditioned pass per new antecedent).
 `rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
@@ -34,71 +28,23 @@ chunk again, counted, if the store dropped it).
 
 from __future__ import annotations
 
-import functools
 import time
-from dataclasses import dataclass, field
-from typing import NewType, Sequence
+from typing import Sequence
 
 import torch
 
-from agentwin import pixels
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
-from agentwin.models.vision import VisionChunk
-from agentwin.orbit import Orbit
-from agentwin.store import (ChunkKey, ChunkStore, EncoderCache, kv_to_tensors, patch_key, patch_to_tensors, tensors_to_kv,
-                            tensors_to_patch)
+from agentwin.policies import POLICIES, POLICY_TYPES
+from agentwin.store import ChunkKey, ChunkStore
+from agentwin.window_chunk import ChunkId, ChunkRecord, key_summary, timed
+from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats, kv_nbytes
 from kamera_core import patch as kp
 from kamera_core.segment import Segment
 
-ChunkId = NewType("ChunkId", int)
-POLICIES = ("none", "origin", "orbit", "fresh")
 EVICTION = ("fifo", "lru")
-
-
-def _timed(method):
-    """Time a public operation into `stats.seconds[name]` and, at the outermost call only (an
-    append's evictions are part of the append), into `stats.wall_s`."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        t0, self._depth = time.perf_counter(), self._depth + 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._depth -= 1
-            spent = time.perf_counter() - t0
-            self._stats.seconds[name] += spent
-            if self._depth == 0:
-                self._stats.wall_s += spent
-    return timed
-
-
-def _summary(kv: Sequence[LayerKV]) -> torch.Tensor:
-    return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
-
-
-@dataclass(slots=True)
-class _Chunk:
-    id: ChunkId
-    key: ChunkKey
-    inputs: ChunkInput  # text ids (T,) or a VisionChunk
-    ids: torch.Tensor  # (T,)
-    span: int  # position units
-    origin: tuple[ChunkKey, ...]  # antecedent keys when appended
-    slot: int  # index in the window when last present (recall's default place)
-    summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
-    # Held only while the chunk is in the window (dropped at evict):
-    canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
-    # (antecedent, start, KV computed there): served whenever the chunk is back at that placement
-    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None
-    patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
-    served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
-    pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
-    orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
 
 
 class Window:
@@ -126,21 +72,23 @@ class Window:
             raise ValueError("the store belongs to another model (fingerprint differs); open one for this model")
         self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
         self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
+        self._policy = POLICY_TYPES[patch]()
         self.storage = "fp32" if rank is None else storage
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
         self._depth = 0  # nesting of timed public operations
-        self._chunks: dict[ChunkId, _Chunk] = {}
+        self._chunks: dict[ChunkId, ChunkRecord] = {}
         self._order: list[ChunkId] = []
         self._pinned: set[ChunkId] = set()
         self._next_id = 0
         self._stats = WindowStats()
-        self.encoder = EncoderCache(self.store)
+        self._io = WindowIO(km, self.store, self._stats, rank, self.storage)
+        self.encoder = self._io.encoder
 
     # ---- operations ---------------------------------------------------------------------------
 
-    @_timed
+    @timed
     def append(self, content: Content, pin: bool = False) -> ChunkId:
         """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
         evicts the oldest unpinned chunks past `budget_tokens`. Runs the chunk's in-context pass
@@ -153,28 +101,28 @@ class Window:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
         forwards = self._num_forwards()
-        stored = self._load_canonical(key, int(ids.numel()))
+        stored = self._io.load_canonical(key, int(ids.numel()))
         # Encoded before anything changes: a chunk the model cannot take leaves the window as it was.
         fresh = self._encode(inputs, int(ids.numel())) if stored is None else None
         for victim in victims:
             self.evict(victim)
         antecedent = self._keys(self._order)
-        chunk = _Chunk(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), antecedent, len(self._order))
+        chunk = ChunkRecord(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), antecedent, len(self._order))
         start, first = self._span(self._order), self.tokens()
-        if stored is not None and (not antecedent or self.policy == "none"
-                                   or self._stored_patch(chunk, antecedent) is not None):
+        if stored is not None and (not antecedent or not self._policy.patches
+                                   or self._io.stored_patch(chunk, antecedent) is not None):
             chunk.canonical = stored  # everything needed is stored: no forward
-        elif self.policy == "none" or not antecedent:
+        elif not self._policy.patches or not antecedent:
             # Blind reuse, or nothing before it: the chunk alone is all there is to compute.
-            chunk.canonical = self._put_canonical(chunk, fresh)
+            chunk.canonical = self._io.put_canonical(chunk, fresh)
         else:
             exact = self._pass(chunk, self._order, start, first, "in_context")
             chunk.exact = (antecedent, start, exact)
-            chunk.canonical = stored if stored is not None else self._put_canonical(chunk, fresh)
-            self._keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
+            chunk.canonical = stored if stored is not None else self._io.put_canonical(chunk, fresh)
+            self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
         if self._num_forwards() != forwards:
             chunk.served = (antecedent, start)  # computed here: not a reuse
-        chunk.summary = _summary(chunk.canonical)
+        chunk.summary = key_summary(chunk.canonical)
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)
@@ -183,7 +131,7 @@ class Window:
             self._pinned.add(chunk.id)
         return chunk.id
 
-    @_timed
+    @timed
     def evict(self, chunk_id: ChunkId) -> None:
         """Take a chunk out of the window. The window lets go of its KV and patches; they stay in
         the store's tiers (under the store's budgets) for a recall."""
@@ -193,13 +141,13 @@ class Window:
         chunk.slot = index
         chunk.canonical = chunk.exact = chunk.served = None
         chunk.patches.clear()
-        self._spill_pixels(chunk)
+        self._io.spill_pixels(chunk)
         self._order.pop(index)
         self._pinned.discard(chunk_id)
         self._used.pop(chunk_id, None)
         self._stats.evictions += 1
 
-    @_timed
+    @timed
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> list[ChunkId]:
         """Bring an evicted chunk back, at its old slot by default (clamped to the window's end),
         or at index `at`. Evicts by the window's policy first when the budget needs room (the
@@ -215,7 +163,7 @@ class Window:
         else:
             index = at
         victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()))  # raises before any change
-        self._restore_pixels(self._chunks[chunk_id])  # raises before any change
+        self._io.restore_pixels(self._chunks[chunk_id])  # raises before any change
         for victim in victims:
             self.evict(victim)
         self._order.insert(min(index, len(self._order)), chunk_id)
@@ -223,7 +171,7 @@ class Window:
         self._stats.recalls += 1
         return victims
 
-    @_timed
+    @timed
     def slide(self, free_tokens: int = 0) -> list[ChunkId]:
         """Evict by the window's policy (FIFO or LRU, pinned chunks kept) until `free_tokens` more
         tokens fit within the budget; returns the evicted chunks."""
@@ -239,7 +187,7 @@ class Window:
         self._require_in_window(chunk_id)
         self._touch(chunk_id)
 
-    @_timed
+    @timed
     def fit_orbit(self, orders: int = 6, seed: int = 0) -> int:
         """Add the deficits of the window's chunks under `orders` random orders of them (one
         forward of the whole window per order) to each chunk's orbit ("orbit" policy), so that
@@ -249,32 +197,9 @@ class Window:
             raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
         if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
             raise ValueError(f"orders must be a positive int, got {orders!r}")
-        g = torch.Generator().manual_seed(seed)
-        seen: set[tuple[ChunkId, ...]] = set()
-        for _ in range(orders * 4):
-            if len(seen) == orders:
-                break
-            order = tuple(self._order[i] for i in torch.randperm(len(self._order), generator=g).tolist())
-            if order in seen:
-                continue
-            seen.add(order)
-            kv = self.km.prefill_kv([self._chunks[c].inputs for c in order])
-            self._count("orbit", sum(int(self._chunks[c].ids.numel()) for c in order))
-            start = token = 0
-            for index, cid in enumerate(order):
-                chunk = self._chunks[cid]
-                n = int(chunk.ids.numel())
-                if index:
-                    placed = [(k[token:token + n], v[token:token + n]) for k, v in kv]
-                    local = relocate_kv(placed, self.km.specs, self.km.layout, -start)
-                    self._add_orbit(chunk, self._keys(order[:index]), kp.deficit(local, self._hold(chunk)))
-                else:
-                    self._add_orbit(chunk, (), None)
-                start += chunk.span
-                token += n
-        return len(seen)
+        return self._policy.sample_orders(self, orders, seed)
 
-    @_timed
+    @timed
     def reorder(self, order: Sequence[ChunkId]) -> None:
         """Set the window's order; `order` must be a permutation of the chunks in the window."""
         if sorted(order) != sorted(self._order) or len(set(order)) != len(order):
@@ -319,7 +244,7 @@ class Window:
             parts.append(self._query_ids(query))
         return self.km.reference_inputs(parts)
 
-    @_timed
+    @timed
     def next_token_logprobs(self, query: str) -> torch.Tensor:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
         read in place (segment attention)."""
@@ -335,13 +260,25 @@ class Window:
         parts = [self._chunks[c].inputs for c in self._order] + [self._query_ids(query)]
         return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
-    @_timed
+    @timed
     def generate(self, query: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of `query` read after the window's KV (in place); each decoded
         token's KV joins the cache's tail, nothing else is copied."""
+        return self.km.tokenizer.decode(self.generate_ids(query, max_new_tokens))
+
+    @timed
+    def generate_ids(self, query: str, max_new_tokens: int = 32, logits_processor=None, stop=None) -> list[int]:
+        """Greedy token ids after `query`, read after the window's KV like `generate`.
+
+        logits_processor: `fn(ids, scores) -> scores` with transformers' signature (ids `[1, n]`:
+        the query's tokens and those chosen so far; scores `[1, vocab]` float32), applied before
+        each choice (e.g. a grammar mask). stop: `fn(chosen_ids) -> bool`, asked after each chosen
+        token; true ends decoding before that token's forward. An end-of-sequence token ends it too
+        and is not returned."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self._query_ids(query)
+        seen = ids
         cache = self._cache(self._order)
         position, out, kind = self._span(self._order), [], "query"
         eos = getattr(self.km.model.config, "eos_token_id", None)
@@ -351,12 +288,18 @@ class Window:
             self._count(kind, int(ids.numel()))
             kind = "decode"
             position += int(ids.numel())
-            token = int(result.logits[0, -1].argmax())
+            scores = result.logits[:, -1].float()
+            if logits_processor is not None:
+                scores = logits_processor(seen[None], scores)
+            token = int(scores[0].argmax())
             if token in eos:
                 break
             out.append(token)
+            if stop is not None and stop(out):
+                break
             ids = torch.tensor([token])
-        return self.km.tokenizer.decode(out)
+            seen = torch.cat([seen, ids])
+        return out
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
         """`[layers, width]` float32: the chunk's canonical keys averaged over its tokens, one row
@@ -366,6 +309,26 @@ class Window:
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         return self._chunks[chunk_id].summary
+
+    def nearest(self, query: str, k: int = 1, among: Sequence[ChunkId] | None = None) -> list[tuple[ChunkId, float]]:
+        """The `k` chunks (in the window or evicted; only `among` when given) whose key summaries
+        are closest to the query's: cosine per layer, averaged over layers; best first, ties by
+        chunk id. Encoding the query alone is one forward, counted as "retrieval"."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        candidates = sorted(self._chunks) if among is None else list(dict.fromkeys(among))
+        for cid in candidates:
+            if cid not in self._chunks:
+                raise ValueError(f"unknown chunk id {cid!r}")
+        if not candidates:
+            return []
+        ids = self._query_ids(query)
+        q = torch.nn.functional.normalize(self.km.key_summary(ids).float(), dim=-1)
+        self._count("retrieval", int(ids.numel()))
+        stacked = torch.stack([self._chunks[c].summary for c in candidates]).float()
+        scores = (torch.nn.functional.normalize(stacked, dim=-1) * q).sum(-1).mean(-1).tolist()
+        ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
+        return [(ChunkId(c), float(score)) for c, score in ranked[:k]]
 
     def stats(self) -> WindowStats:
         """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""
@@ -447,28 +410,27 @@ class Window:
     def _encode(self, inputs: ChunkInput, tokens: int) -> list[LayerKV]:
         """A chunk alone in its chunk-local frame (one forward, counted)."""
         t0 = time.perf_counter()
-        kv = self.km.encode(inputs, self._features)
+        kv = self.km.encode(inputs, self._io.features)
         self._count("encode", tokens)
         self._stats.seconds["encode"] += time.perf_counter() - t0
         return kv
 
-    def _pass(self, chunk: _Chunk, antecedent: Sequence[ChunkId], start: int, first: int, kind: str) -> list[LayerKV]:
+    def _pass(self, chunk: ChunkRecord, antecedent: Sequence[ChunkId], start: int, first: int, kind: str) -> list[LayerKV]:
         """KV of `chunk` at `start` (token index `first`) read after `antecedent` in place: one
         forward of the chunk's tokens (its prefill there), counted as `kind`."""
         t0 = time.perf_counter()
-        kv = self.km.encode_after(self._segments(antecedent), first, start, chunk.inputs, self._features)
+        kv = self.km.encode_after(self._segments(antecedent), first, start, chunk.inputs, self._io.features)
         self._count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0
         return kv
 
-    def _fit_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
+    def _fit_patch(self, chunk: ChunkRecord, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
                    start: int) -> kp.ChunkPatch:
         """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`)."""
         t0 = time.perf_counter()
         local = relocate_kv(exact, self.km.specs, self.km.layout, -start)
         deltas = kp.deficit(local, self._hold(chunk))
-        if self.policy == "orbit":
-            self._add_orbit(chunk, antecedent, deltas)
+        self._policy.measured(self, chunk, antecedent, deltas)
         if self.rank is None:
             patch = kp.exact_patch(deltas)
         else:
@@ -477,119 +439,38 @@ class Window:
         self._stats.seconds["fit_patch"] += time.perf_counter() - t0
         return patch
 
-    def _conditioned_patch(self, chunk: _Chunk, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent_ids` from one conditioned pass; the pass's exact
-        KV is kept and served while the chunk stays at that place."""
+    def _conditioned_patch(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
+        """The patch of `chunk` after `antecedent_ids` from one conditioned pass, kept in the store;
+        the pass's exact KV is kept and served while the chunk stays at that place."""
         antecedent = self._keys(antecedent_ids)
         start = self._span(antecedent_ids)
         first = sum(int(self._chunks[c].ids.numel()) for c in antecedent_ids)
         exact = self._pass(chunk, antecedent_ids, start, first, "conditioned")
         self._stats.conditioned_passes += 1
         chunk.exact = (antecedent, start, exact)
-        return self._fit_patch(chunk, antecedent, exact, start)
+        return self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
 
-    def _patch_for(self, chunk: _Chunk, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
+    def _patch_for(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
+        """The stored patch for this antecedent, else the policy's (`agentwin.policies`); none at
+        the front of the window, where canonical KV is exact."""
         antecedent = self._keys(antecedent_ids)
-        if self.policy == "none" or not antecedent:
-            # A chunk at the front has no antecedent: its canonical KV is exact there. An origin
-            # patch would make its first token stop acting as the attention sink (measured on
-            # SmolLM2 after a slide: KL 3.15 with the origin patch against 0.13 without).
+        if not self._policy.patches or not antecedent:
             return None
-        found = self._stored_patch(chunk, antecedent)
+        found = self._io.stored_patch(chunk, antecedent)
         if found is not None:
             self._stats.patch_hits += 1
             return found
         self._stats.patch_misses += 1
-        if self.policy == "fresh" or self.rank is None:
-            return self._keep_patch(chunk, antecedent, self._conditioned_patch(chunk, antecedent_ids))
-        if self.policy == "orbit" and chunk.orbit is not None:
-            return self._orbit_patch(chunk)
-        return self._stored_patch(chunk, chunk.origin)
+        return self._policy.unseen(self, chunk, antecedent_ids)
 
-    def _add_orbit(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], deltas: list | None) -> None:
-        """Count one antecedent's deficit (None: the chunk first, a zero deficit) in the orbit."""
-        if chunk.orbit is None:
-            chunk.orbit = Orbit.of(self._hold(chunk))
-        chunk.orbit.add(antecedent, deltas)
-
-    def _orbit_patch(self, chunk: _Chunk) -> kp.ChunkPatch:
-        """The low-rank fit of the chunk's mean deficit over the antecedents in its orbit."""
-        patch, fitted = chunk.orbit.fit(self.rank or max(t.shape[0] for t in self._hold(chunk)[0]), self.storage)
-        if fitted:
-            self._stats.patch_bytes += patch.nbytes
-        return patch
-
-    def _features(self, vc: VisionChunk) -> dict:
-        """Vision-tower outputs of `vc` through the encoder cache: the tower runs once per image."""
-        computed = self.encoder.computed
-        out = self.encoder.get_or_compute(self.encoder.key(bytes.fromhex(vc.digest)), lambda: self.km.features(vc),
-                                          {"modality": vc.kind, "tokens": int(vc.ids.numel())})
-        if self.encoder.computed > computed:
-            self._stats.encoder_calls += 1
-        else:
-            self._stats.encoder_hits += 1
-        return out
-
-    def _spill_pixels(self, chunk: _Chunk) -> None:
-        """An evicted vision chunk's pixels leave the window for the store (`agentwin.pixels`)."""
-        if isinstance(chunk.inputs, VisionChunk) and chunk.pixels_key is None:
-            spilled = pixels.spill(self.store, self.km.fingerprint, chunk.inputs)
-            if spilled is not None:  # else refused for size: kept here
-                chunk.inputs, chunk.pixels_key = spilled
-
-    def _restore_pixels(self, chunk: _Chunk) -> None:
-        """Pixels of an evicted vision chunk back from the store (ValueError, nothing changed)."""
-        if chunk.pixels_key is not None:
-            chunk.inputs = pixels.restore(self.store, chunk.pixels_key, chunk.inputs, f"chunk {chunk.id}")
-            chunk.pixels_key = None
-
-    def _load_canonical(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
-        """Canonical KV from the store (the store's own tensors, not copies), or None."""
-        hit = self.store.get(key)
-        if hit is None:
-            return None
-        kv = tensors_to_kv(hit[0])
-        if len(kv) != len(self.km.specs) or kv[0][0].shape[0] != tokens:
-            raise RuntimeError(f"store entry {key} does not hold this chunk's KV ({len(kv)} layers, "
-                               f"{kv[0][0].shape[0] if kv else 0} tokens); this indicates a bug")
-        self._stats.canonical_hits += 1
-        self._stats.store_hit_tokens += tokens
-        return kv
-
-    def _put_canonical(self, chunk: _Chunk, kv: list[LayerKV]) -> list[LayerKV]:
-        """Store freshly encoded canonical KV; returns the store's copy (so the window and the
-        store's RAM tier share one set of bytes), or `kv` itself when the store keeps it on disk only."""
-        modality = chunk.inputs.kind if isinstance(chunk.inputs, VisionChunk) else "text"
-        self.store.put(chunk.key, kv_to_tensors(kv), {"modality": modality, "tokens": int(chunk.ids.numel())})
-        hit = self.store.get(chunk.key)
-        return tensors_to_kv(hit[0]) if hit is not None else kv
-
-    def _hold(self, chunk: _Chunk) -> list[LayerKV]:
+    def _hold(self, chunk: ChunkRecord) -> list[LayerKV]:
         """The chunk's canonical KV, read from the store when the window does not hold it (after
         a recall), encoded again (counted) when the store no longer has it."""
         if chunk.canonical is None:
-            chunk.canonical = self._load_canonical(chunk.key, int(chunk.ids.numel()))
+            chunk.canonical = self._io.load_canonical(chunk.key, int(chunk.ids.numel()))
             if chunk.canonical is None:
-                chunk.canonical = self._put_canonical(chunk, self._encode(chunk.inputs, int(chunk.ids.numel())))
+                chunk.canonical = self._io.put_canonical(chunk, self._encode(chunk.inputs, int(chunk.ids.numel())))
         return chunk.canonical
-
-    def _patch_key(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:
-        return patch_key(chunk.key, antecedent, self.rank, "exact" if self.rank is None else f"svd-{self.storage}")
-
-    def _stored_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...]) -> kp.ChunkPatch | None:
-        """The patch of `chunk` for `antecedent`: this window's copy, else the store's."""
-        if antecedent in chunk.patches:
-            return chunk.patches[antecedent]
-        hit = self.store.get(self._patch_key(chunk, antecedent))
-        if hit is None:
-            return None
-        chunk.patches[antecedent] = tensors_to_patch(*hit)
-        return chunk.patches[antecedent]
-
-    def _keep_patch(self, chunk: _Chunk, antecedent: tuple[ChunkKey, ...], patch: kp.ChunkPatch) -> kp.ChunkPatch:
-        chunk.patches[antecedent] = patch
-        self.store.put(self._patch_key(chunk, antecedent), *patch_to_tensors(patch))
-        return patch
 
     def _segments(self, order: Sequence[ChunkId]) -> list[list[Segment]]:
         """Per layer, the segments of `order` as placed one after another from position 0: a

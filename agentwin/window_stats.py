@@ -10,7 +10,7 @@ import torch
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
-FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit")
+FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit", "retrieval")
 
 
 @dataclass
@@ -20,7 +20,8 @@ class WindowStats:
     forwards / forward_tokens: model forwards run by this window and the tokens they computed,
         by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
         window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
-        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`).
+        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`),
+        "retrieval" (a query encoded alone by `nearest`).
     forwarded_tokens: all of `forward_tokens` (every token any forward of this window computed).
     relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
         chunk at that placement; `relocated_tokens` counts their tokens. A chunk served from a pass

@@ -393,3 +393,37 @@ def test_smollm2_exact_patches_match_reprefill_after_any_sequence(smollm2, seque
 @functools.lru_cache(maxsize=1)
 def _smollm2_km(model, tokenizer) -> KameraModel:
     return KameraModel(model, tokenizer, name="smollm2")
+
+
+def test_nearest_finds_a_chunk_by_its_own_text_in_or_out_of_the_window_and_counts_the_query():
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=2)
+    ids = [win.append(t) for t in TEXTS[:4]]
+    win.evict(ids[1])
+    for cid, text in zip(ids, TEXTS):
+        best = win.nearest(text, k=2)
+        assert best[0][0] == cid and best[0][1] == pytest.approx(1.0, abs=1e-5) and best[1][1] < best[0][1]
+    some = win.nearest(TEXTS[0], k=9, among=[ids[3], ids[2]])
+    assert sorted(c for c, _ in some) == [ids[2], ids[3]] and some[0][1] >= some[1][1]
+    s = win.stats()
+    assert s.forward_tokens["retrieval"] == sum(len(km.tokenize(t)) for t in TEXTS[:4]) + len(km.tokenize(TEXTS[0]))
+    with pytest.raises(ValueError, match="k must be"):
+        win.nearest(TEXTS[0], k=0)
+    with pytest.raises(ValueError, match="unknown chunk"):
+        win.nearest(TEXTS[0], among=[99])
+
+
+def test_generate_stops_at_any_of_a_list_of_end_tokens():
+    """Models whose config lists several end-of-sequence ids (a list) stop at any of them."""
+    km = _km("tiny-llama-gqa")
+    win = Window(km, patch="origin", rank=2)
+    win.append(TEXTS[0])
+    first = win.generate_ids(QUERY, 1)[0]
+    saved = km.model.config.eos_token_id
+    km.model.config.eos_token_id = [km.model.config.vocab_size + 5, first]
+    try:
+        before = win.stats().forward_tokens["decode"]
+        assert win.generate(QUERY, max_new_tokens=6) == ""
+        assert win.stats().forward_tokens["decode"] == before  # stopped after the query's forward
+    finally:
+        km.model.config.eos_token_id = saved

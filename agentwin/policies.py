@@ -1,0 +1,111 @@
+"""Patch policies: what a chunk in the window gets at an antecedent it has no stored patch for.
+
+One small object per policy behind one interface, chosen by `Window(patch=...)`:
+- `none` (`Blind`): blind reuse, canonical KV only, no patch ever;
+- `origin` (`Origin`): the patch fitted when the chunk was appended, as an approximation;
+- `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every antecedent measured;
+- `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass).
+With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
+reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
+is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
+without: the first token stops acting as the attention sink).
+
+The policies call the window's own patch operations (`_conditioned_patch`, `_io.stored_patch`,
+`_hold`); they are part of the window, split out so that each policy is read in one place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from agentwin.models.kv import relocate_kv
+from agentwin.orbit import Orbit
+from kamera_core import patch as kp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agentwin.window import Window
+
+
+class PatchPolicy:
+    """Base: conditioned pass when exact, else the origin patch."""
+
+    name = ""
+    patches = True  # whether chunks after the front take patches at all
+
+    def measured(self, window: Window, chunk: Any, antecedent: tuple, deltas: Sequence | None) -> None:
+        """A deficit of `chunk` after `antecedent` was measured (None: the chunk first, zero)."""
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        """The patch for an antecedent with no stored patch (may run a conditioned pass)."""
+        if window.rank is None:
+            return window._conditioned_patch(chunk, antecedent_ids)
+        return window._io.stored_patch(chunk, chunk.origin)
+
+
+class Blind(PatchPolicy):
+    name, patches = "none", False
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> None:
+        return None
+
+
+class Origin(PatchPolicy):
+    name = "origin"
+
+
+class Fresh(PatchPolicy):
+    name = "fresh"
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch:
+        return window._conditioned_patch(chunk, antecedent_ids)
+
+
+class OrbitPolicy(PatchPolicy):
+    name = "orbit"
+
+    def measured(self, window: Window, chunk: Any, antecedent: tuple, deltas: Sequence | None) -> None:
+        if chunk.orbit is None:
+            chunk.orbit = Orbit.of(window._hold(chunk))
+        chunk.orbit.add(antecedent, deltas)
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        if window.rank is None or chunk.orbit is None:
+            return super().unseen(window, chunk, antecedent_ids)
+        patch, fitted = chunk.orbit.fit(window.rank, window.storage)
+        if fitted:
+            window._stats.patch_bytes += patch.nbytes
+        return patch
+
+    def sample_orders(self, window: Window, orders: int, seed: int) -> int:
+        """`Window.fit_orbit`: the deficits of the window's chunks under `orders` random orders
+        (one forward of the whole window per order, counted as "orbit"); returns the new orders."""
+        g = torch.Generator().manual_seed(seed)
+        seen: set[tuple] = set()
+        for _ in range(orders * 4):
+            if len(seen) == orders:
+                break
+            order = tuple(window._order[i] for i in torch.randperm(len(window._order), generator=g).tolist())
+            if order in seen:
+                continue
+            seen.add(order)
+            kv = window.km.prefill_kv([window._chunks[c].inputs for c in order])
+            window._count("orbit", sum(int(window._chunks[c].ids.numel()) for c in order))
+            start = token = 0
+            for index, cid in enumerate(order):
+                chunk = window._chunks[cid]
+                n = int(chunk.ids.numel())
+                if index:
+                    placed = [(k[token:token + n], v[token:token + n]) for k, v in kv]
+                    local = relocate_kv(placed, window.km.specs, window.km.layout, -start)
+                    self.measured(window, chunk, window._keys(order[:index]), kp.deficit(local, window._hold(chunk)))
+                else:
+                    self.measured(window, chunk, (), None)
+                start += chunk.span
+                token += n
+        return len(seen)
+
+
+POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh)}
+POLICIES = tuple(POLICY_TYPES)

@@ -1,0 +1,61 @@
+"""What the window keeps per chunk (`_Chunk`), chunk ids, and the timer of its public operations."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import NewType, Sequence
+
+import torch
+
+from agentwin.models.adapter import ChunkInput
+from agentwin.models.kv import LayerKV
+from agentwin.orbit import Orbit
+from agentwin.store import ChunkKey
+from kamera_core import patch as kp
+
+ChunkId = NewType("ChunkId", int)
+
+
+def timed(method):
+    """Time a public operation into `stats.seconds[name]` and, at the outermost call only (an
+    append's evictions are part of the append), into `stats.wall_s`."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0, self._depth = time.perf_counter(), self._depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            spent = time.perf_counter() - t0
+            self._stats.seconds[name] += spent
+            if self._depth == 0:
+                self._stats.wall_s += spent
+    return timed
+
+
+def key_summary(kv: Sequence[LayerKV]) -> torch.Tensor:
+    return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
+
+
+@dataclass(slots=True)
+class ChunkRecord:
+    id: ChunkId
+    key: ChunkKey
+    inputs: ChunkInput  # text ids (T,) or a VisionChunk
+    ids: torch.Tensor  # (T,)
+    span: int  # position units
+    origin: tuple[ChunkKey, ...]  # antecedent keys when appended
+    slot: int  # index in the window when last present (recall's default place)
+    summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
+    # Held only while the chunk is in the window (dropped at evict):
+    canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
+    # (antecedent, start, KV computed there): served whenever the chunk is back at that placement
+    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None
+    patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
+    served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
+    pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
+    orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)

@@ -29,8 +29,6 @@ from kamera_core.relocate import (
     relocate_mla,
     relocate_patch,
     rotate_reference,
-    to_local,
-    to_position,
 )
 from kamera_core.rope import KVLayout, RopeSpec, UnsupportedModelError, kv_layout, model_name, rope_specs
 
@@ -46,8 +44,6 @@ __all__ = [
     "relocate_patch",
     "rope_specs",
     "rotate_reference",
-    "to_local",
-    "to_position",
     "ChunkPatch",
     "Factors",
     "LayerPatch",

@@ -160,16 +160,6 @@ def relocate_keys(
     return rotate_reference(keys, cos, sin, spec.pairing, u, vt)
 
 
-def to_local(keys: torch.Tensor, spec: RopeSpec, start: int) -> torch.Tensor:
-    """Keys of a chunk cached from position `start` moved into its chunk-local frame (start 0)."""
-    return relocate_keys(keys, spec, -_as_shift(start))
-
-
-def to_position(keys: torch.Tensor, spec: RopeSpec, start: int) -> torch.Tensor:
-    """Keys of a chunk in its chunk-local frame placed at start position `start`."""
-    return relocate_keys(keys, spec, _as_shift(start))
-
-
 def relocate_mla(
     c_kv: torch.Tensor, k_rope: torch.Tensor, spec: RopeSpec, delta: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

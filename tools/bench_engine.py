@@ -85,8 +85,8 @@ def _timed(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None
 
 def _texts(km: Any, tokens: int, pieces: int, seed: int = 0) -> list[str]:
     """`pieces` distinct texts of about `tokens // pieces` tokens each (narratives of
-    `tools.patch_texts`, cut at token boundaries)."""
-    from tools.patch_texts import make_case
+    `agentwin.eval.datasets`, cut at token boundaries)."""
+    from agentwin.eval.datasets import make_case
 
     per = max(1, tokens // pieces)
     stream: list[int] = []
@@ -119,15 +119,12 @@ def _placed_copy(km: Any, segments_per_layer: Sequence[Sequence[Any]]) -> list[l
 
 
 def _dynamic_cache(km: Any, placed: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> Any:
-    """One transformers DynamicCache of the placed parts, concatenated (the materialised path)."""
-    from transformers import DynamicCache
+    """One transformers DynamicCache of the placed parts (per layer, per segment), concatenated
+    (the materialised path)."""
+    from agentwin.models.kv import build_cache_parts
 
-    cache = DynamicCache(config=km.model.config)
-    for index, parts in enumerate(placed):
-        k = torch.cat([p[0] for p in parts]).transpose(0, 1)[None]  # (1, H, T, D)
-        v = torch.cat([p[1] for p in parts]).transpose(0, 1)[None]
-        cache.update(k.contiguous(), v.contiguous(), index)
-    return cache
+    by_segment = [[layer[index] for layer in placed] for index in range(len(placed[0]))]
+    return build_cache_parts(by_segment, km.model.config, km.layout)
 
 
 def _plain_forward(km: Any, ids: torch.Tensor, start: int, cache: Any) -> Any:

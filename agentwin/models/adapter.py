@@ -21,10 +21,9 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from agentwin.models.kv import LayerKV, extract_kv
+from agentwin.models.kv import LayerKV
 from agentwin.models.segments import ATTENTION, SegmentCache, register
-from agentwin.models.vision import (VisionChunk, VisionPreparer, encoder_outputs, is_qwen_vl, rope_positions,
-                                    vision_features)
+from agentwin.models.vision import (VisionChunk, VisionPreparer, encoder_outputs, is_qwen_vl, vision_features)
 from kamera_core import UnsupportedModelError, kv_layout, model_name, rope_specs
 from kamera_core.segment import Segment
 
@@ -257,10 +256,6 @@ class KameraModel:
         with torch.no_grad():
             self.model(use_cache=True, cache=cache, segment_cache=cache, **self.reference_inputs(parts))
         return [(k.clone(), v.clone()) for k, v in cache.tail_kv()]
-
-    def reference_positions(self, parts: Sequence[ChunkInput]) -> torch.Tensor:
-        """`[3, T]` (M-RoPE) positions the model itself assigns to the whole sequence of `parts`."""
-        return rope_positions(self.model, parts)[0]
 
     def encode(self, chunk: ChunkInput, features: Features | None = None) -> list[LayerKV]:
         """KV of the chunk alone in its chunk-local frame (start 0); owned contiguous copies."""

@@ -48,14 +48,7 @@ def relocate_kv(kv: Sequence[LayerKV], specs: Sequence[RopeSpec], layout: KVLayo
 
 def build_cache(kv: Sequence[LayerKV], config: Any, layout: KVLayout) -> Any:
     """A transformers `DynamicCache` (batch 1) holding `kv`, ready to pass as `cache=`."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for index, (k, v) in enumerate(kv):
-        if layout.family == "mla":
-            k, v = k[:, None], v[:, None]  # (T, 1, R)
-        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), index)
-    return cache
+    return build_cache_parts([kv], config, layout)
 
 
 def build_cache_parts(parts: Sequence[Sequence[LayerKV]], config: Any, layout: KVLayout) -> Any:

@@ -91,7 +91,7 @@ class OrbitPolicy(PatchPolicy):
                 continue
             seen.add(order)
             kv = window.km.prefill_kv([window._chunks[c].inputs for c in order])
-            window._count("orbit", sum(int(window._chunks[c].ids.numel()) for c in order))
+            window._stats.count("orbit", sum(int(window._chunks[c].ids.numel()) for c in order))
             start = token = 0
             for index, cid in enumerate(order):
                 chunk = window._chunks[cid]
@@ -109,3 +109,22 @@ class OrbitPolicy(PatchPolicy):
 
 POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh)}
 POLICIES = tuple(POLICY_TYPES)
+
+
+def eviction_plan(order: Sequence, sizes: dict, pinned: set, used: dict, eviction: str, excess: int,
+                  incoming: int, budget: int) -> list:
+    """Chunks to evict, unpinned, first in window order ("fifo") or least recently used first
+    ("lru": `used` maps a chunk to the tick of its last use), until `excess` tokens are freed.
+    ValueError, with nothing changed, when the pinned chunks leave too little room."""
+    victims = []
+    candidates = order if eviction == "fifo" else sorted(order, key=lambda c: used.get(c, 0))
+    for cid in candidates:
+        if excess <= 0:
+            break
+        if cid not in pinned:
+            victims.append(cid)
+            excess -= sizes[cid]
+    if excess > 0:
+        raise ValueError(f"no room for {incoming} more tokens within budget_tokens={budget}: "
+                         "the pinned chunks take the rest; unpin one or raise the budget")
+    return victims

@@ -36,7 +36,7 @@ import torch
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
-from agentwin.policies import POLICIES, POLICY_TYPES
+from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import ChunkId, ChunkRecord, key_summary, timed
 from agentwin.window_io import WindowIO
@@ -100,7 +100,7 @@ class Window:
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
-        forwards = self._num_forwards()
+        forwards = self._stats.num_forwards
         stored = self._io.load_canonical(key, int(ids.numel()))
         # Encoded before anything changes: a chunk the model cannot take leaves the window as it was.
         fresh = self._encode(inputs, int(ids.numel())) if stored is None else None
@@ -120,7 +120,7 @@ class Window:
             chunk.exact = (antecedent, start, exact)
             chunk.canonical = stored if stored is not None else self._io.put_canonical(chunk, fresh)
             self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
-        if self._num_forwards() != forwards:
+        if self._stats.num_forwards != forwards:
             chunk.served = (antecedent, start)  # computed here: not a reuse
         chunk.summary = key_summary(chunk.canonical)
         self._next_id += 1
@@ -251,7 +251,7 @@ class Window:
         ids = self._query_ids(query)
         cache = self._cache(self._order)
         logits = self.km.query_logits(cache, self._span(self._order), ids)
-        self._count("query", int(ids.numel()))
+        self._stats.count("query", int(ids.numel()))
         return torch.log_softmax(logits, -1)
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
@@ -285,7 +285,7 @@ class Window:
         eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         for _ in range(max_new_tokens):
             result = self.km.forward(ids, position, cache, logits_to_keep=1)
-            self._count(kind, int(ids.numel()))
+            self._stats.count(kind, int(ids.numel()))
             kind = "decode"
             position += int(ids.numel())
             scores = result.logits[:, -1].float()
@@ -324,7 +324,7 @@ class Window:
             return []
         ids = self._query_ids(query)
         q = torch.nn.functional.normalize(self.km.key_summary(ids).float(), dim=-1)
-        self._count("retrieval", int(ids.numel()))
+        self._stats.count("retrieval", int(ids.numel()))
         stacked = torch.stack([self._chunks[c].summary for c in candidates]).float()
         scores = (torch.nn.functional.normalize(stacked, dim=-1) * q).sum(-1).mean(-1).tolist()
         ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
@@ -379,29 +379,10 @@ class Window:
         self._used[chunk_id] = self._tick
 
     def _slide_plan(self, incoming: int) -> list[ChunkId]:
-        """Chunks to evict, unpinned, first in window order (FIFO) or least recently used first
-        (LRU), so that `incoming` more tokens fit the budget. ValueError, with nothing changed,
-        when the pinned chunks leave too little room."""
-        excess = self.tokens() + incoming - self.budget_tokens
-        victims = []
-        candidates = self._order if self.eviction == "fifo" else sorted(self._order, key=lambda c: self._used.get(c, 0))
-        for cid in candidates:
-            if excess <= 0:
-                break
-            if cid not in self._pinned:
-                victims.append(cid)
-                excess -= int(self._chunks[cid].ids.numel())
-        if excess > 0:
-            raise ValueError(f"no room for {incoming} more tokens within budget_tokens={self.budget_tokens}: "
-                             "the pinned chunks take the rest; unpin one or raise the budget")
-        return victims
-
-    def _count(self, kind: str, tokens: int) -> None:
-        self._stats.forwards[kind] += 1
-        self._stats.forward_tokens[kind] += tokens
-
-    def _num_forwards(self) -> int:
-        return sum(self._stats.forwards.values())
+        """Chunks to evict so that `incoming` more tokens fit (`agentwin.policies.eviction_plan`)."""
+        sizes = {c: int(self._chunks[c].ids.numel()) for c in self._order}
+        return eviction_plan(self._order, sizes, self._pinned, self._used, self.eviction,
+                             self.tokens() + incoming - self.budget_tokens, incoming, self.budget_tokens)
 
     def _span(self, order: Sequence[ChunkId]) -> int:
         """Position units taken by `order` (where the next chunk or the query starts)."""
@@ -411,7 +392,7 @@ class Window:
         """A chunk alone in its chunk-local frame (one forward, counted)."""
         t0 = time.perf_counter()
         kv = self.km.encode(inputs, self._io.features)
-        self._count("encode", tokens)
+        self._stats.count("encode", tokens)
         self._stats.seconds["encode"] += time.perf_counter() - t0
         return kv
 
@@ -420,7 +401,7 @@ class Window:
         forward of the chunk's tokens (its prefill there), counted as `kind`."""
         t0 = time.perf_counter()
         kv = self.km.encode_after(self._segments(antecedent), first, start, chunk.inputs, self._io.features)
-        self._count(kind, int(chunk.ids.numel()))
+        self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0
         return kv
 
@@ -483,7 +464,7 @@ class Window:
         for index, cid in enumerate(order):
             chunk = self._chunks[cid]
             antecedent = self._keys(order[:index])
-            patch, forwards = None, self._num_forwards()
+            patch, forwards = None, self._stats.num_forwards
             if chunk.exact is None or chunk.exact[:2] != (antecedent, start):
                 patch = self._patch_for(chunk, order[:index])  # may run a conditioned pass (sets exact)
             if chunk.exact is not None and chunk.exact[:2] == (antecedent, start):
@@ -495,7 +476,7 @@ class Window:
                     layer.append(Segment(k, v, first, start, None if patch is None else patch.layers[i]))
                 # Canonical KV is the chunk computed first at position 0: serving it there is no move.
                 moved = bool(antecedent) or start != 0
-                if moved and chunk.served != (antecedent, start) and self._num_forwards() == forwards:
+                if moved and chunk.served != (antecedent, start) and self._stats.num_forwards == forwards:
                     self._stats.relocations += 1
                     self._stats.relocated_tokens += int(chunk.ids.numel())
             chunk.served = (antecedent, start)

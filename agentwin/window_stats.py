@@ -55,6 +55,17 @@ class WindowStats:
     wall_s: float = 0.0
     store: object = None  # StoreStats at the last stats() call
 
+    def count(self, kind: str, tokens: int) -> None:
+        """One forward of `tokens` tokens, of `kind` (one of FORWARD_KINDS)."""
+        if kind not in FORWARD_KINDS:
+            raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
+        self.forwards[kind] += 1
+        self.forward_tokens[kind] += tokens
+
+    @property
+    def num_forwards(self) -> int:
+        return int(sum(self.forwards.values()))
+
     @property
     def forwarded_tokens(self) -> int:
         return int(sum(self.forward_tokens.values()))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from agentwin.models.adapter import ChunkInput, KameraModel
+from agentwin.models.vision import TextChunk
 from agentwin.store import ChunkKey
 
 
@@ -63,7 +64,7 @@ Content = Union[Text, Image, Frames, str]
 
 
 def model_inputs(km: KameraModel, tenant: str, content: Any) -> tuple[ChunkInput, ChunkKey]:
-    """Model inputs of a chunk (token ids, or a `VisionChunk`) and its content key, which covers
+    """Model inputs of a chunk (a `TextChunk` of token ids, or a `VisionChunk`) and its content key, which covers
     what fixes its canonical KV (token ids; for images and frames the processed pixels, grid and
     settings). TypeError / ValueError for content the model cannot take."""
     fp = km.fingerprint
@@ -71,7 +72,7 @@ def model_inputs(km: KameraModel, tenant: str, content: Any) -> tuple[ChunkInput
         ids = km.tokenize(content.text)
         if ids.numel() == 0:
             raise ValueError("the text tokenizes to no tokens")
-        return ids, ChunkKey.of(fp, "text", ids.tolist(), tenant=tenant)
+        return TextChunk(ids), ChunkKey.of(fp, "text", ids.tolist(), tenant=tenant)
     if isinstance(content, Image):
         vc = km.image(content.source, content.min_tokens, content.max_tokens)
     elif isinstance(content, Frames):

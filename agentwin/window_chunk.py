@@ -45,7 +45,7 @@ def key_summary(kv: Sequence[LayerKV]) -> torch.Tensor:
 class ChunkRecord:
     id: ChunkId
     key: ChunkKey
-    inputs: ChunkInput  # text ids (T,) or a VisionChunk
+    inputs: ChunkInput  # a TextChunk or a VisionChunk
     ids: torch.Tensor  # (T,)
     span: int  # position units
     origin: tuple[ChunkKey, ...]  # antecedent keys when appended

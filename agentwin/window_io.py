@@ -37,7 +37,7 @@ class WindowIO:
 
     def spill_pixels(self, chunk: Any) -> None:
         """An evicted vision chunk's pixels leave the window for the store (`agentwin.pixels`)."""
-        if isinstance(chunk.inputs, VisionChunk) and chunk.pixels_key is None:
+        if chunk.inputs.kind != "text" and chunk.pixels_key is None:
             spilled = pixels.spill(self.store, self.km.fingerprint, chunk.inputs)
             if spilled is not None:  # else refused for size: kept here
                 chunk.inputs, chunk.pixels_key = spilled
@@ -64,7 +64,7 @@ class WindowIO:
     def put_canonical(self, chunk: Any, kv: list[LayerKV]) -> list[LayerKV]:
         """Store freshly encoded canonical KV; returns the store's copy (so the window and the
         store's RAM tier share one set of bytes), or `kv` itself when the store keeps it on disk only."""
-        modality = chunk.inputs.kind if isinstance(chunk.inputs, VisionChunk) else "text"
+        modality = chunk.inputs.kind
         self.store.put(chunk.key, kv_to_tensors(kv), {"modality": modality, "tokens": int(chunk.ids.numel())})
         hit = self.store.get(chunk.key)
         return tensors_to_kv(hit[0]) if hit is not None else kv

@@ -23,11 +23,11 @@ import torch
 
 from agentwin.models.kv import LayerKV
 from agentwin.models.segments import ATTENTION, SegmentCache, register
-from agentwin.models.vision import (VisionChunk, VisionPreparer, encoder_outputs, is_qwen_vl, vision_features)
+from agentwin.models.vision import (TextChunk, VisionChunk, VisionPreparer, as_chunk, encoder_outputs, is_qwen_vl, vision_features)
 from kamera_core import UnsupportedModelError, kv_layout, model_name, rope_specs
 from kamera_core.segment import Segment
 
-ChunkInput = Union[torch.Tensor, VisionChunk]
+ChunkInput = Union[TextChunk, VisionChunk, torch.Tensor]  # token ids are taken as a TextChunk
 Features = Callable[[VisionChunk], dict]
 
 
@@ -169,11 +169,11 @@ class KameraModel:
     @staticmethod
     def span(chunk: ChunkInput) -> int:
         """Position units a chunk takes (tokens for text)."""
-        return chunk.span if isinstance(chunk, VisionChunk) else int(chunk.shape[0])
+        return as_chunk(chunk).span
 
     @staticmethod
     def ids(chunk: ChunkInput) -> torch.Tensor:
-        return chunk.ids if isinstance(chunk, VisionChunk) else chunk
+        return as_chunk(chunk).ids
 
     def features(self, chunk: VisionChunk) -> dict:
         """The vision tower's outputs for `chunk` (no caching; the window caches them)."""
@@ -182,10 +182,7 @@ class KameraModel:
     # ---- forward passes -----------------------------------------------------------------------
 
     def _positions(self, chunk: ChunkInput, start: int) -> torch.Tensor:
-        if isinstance(chunk, VisionChunk):
-            return (chunk.positions + start)[:, None]  # (3, 1, T)
-        positions = torch.arange(start, start + int(chunk.shape[0]))[None]
-        return positions.expand(3, 1, -1) if self.is_vlm else positions
+        return as_chunk(chunk).placed_positions(start, self.is_vlm)
 
     def cache(self, segments_per_layer: Sequence[Sequence[Segment]] | None = None, first: int = 0) -> Any:
         """A `SegmentCache` holding `segments_per_layer[i]` for layer i (default none), its tail
@@ -212,7 +209,8 @@ class KameraModel:
             raise ValueError(f"the cache was built for another model (its RoPE specs or KV layout differ from "
                              f"{self.name}'s); build it with this model's KameraModel.cache()")
         kw: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        if isinstance(chunk, VisionChunk):
+        chunk = as_chunk(chunk)
+        if chunk.kind != "text":
             tensors = (features or self.features)(chunk)
             kw = {**kw, "mm_encoder_outputs": encoder_outputs(self.model, chunk, tensors),
                   "mm_token_type_ids": chunk.mm_type[None]}
@@ -226,11 +224,11 @@ class KameraModel:
         chunks `mm_token_type_ids`, pixels, grids), positions left to the model itself."""
         if not parts:
             raise ValueError("nothing to run: no chunks and no query")
-        kw: dict[str, Any] = {"input_ids": torch.cat([self.ids(p) for p in parts])[None]}
-        vision = [p for p in parts if isinstance(p, VisionChunk)]
+        parts = [as_chunk(p) for p in parts]
+        kw: dict[str, Any] = {"input_ids": torch.cat([p.ids for p in parts])[None]}
+        vision = [p for p in parts if p.kind != "text"]
         if vision:
-            kw["mm_token_type_ids"] = torch.cat([p.mm_type if isinstance(p, VisionChunk)
-                                                 else torch.zeros(len(p), dtype=torch.int32) for p in parts])[None]
+            kw["mm_token_type_ids"] = torch.cat([p.mm_type for p in parts])[None]
             for kind, pix, grid in (("image", "pixel_values", "image_grid_thw"),
                                     ("video", "pixel_values_videos", "video_grid_thw")):
                 chosen = [p for p in vision if p.kind == kind]

@@ -40,6 +40,31 @@ class VisionInputError(ValueError):
     """An image or frame source that cannot be used; the message says why and what to do."""
 
 
+@dataclass(frozen=True, eq=False)
+class TextChunk:
+    """Token ids `[T]` of one text chunk: one position per token, no pixels."""
+
+    ids: torch.Tensor
+    kind = "text"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ids, torch.Tensor) or self.ids.dim() != 1 or self.ids.is_floating_point():
+            raise TypeError(f"TextChunk needs 1-D integer token ids, got {getattr(self.ids, 'shape', type(self.ids))}")
+
+    @property
+    def span(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def mm_type(self) -> torch.Tensor:
+        return torch.zeros(self.span, dtype=torch.int32)
+
+    def placed_positions(self, start: int, vlm: bool) -> torch.Tensor:
+        """Positions of the chunk placed at `start`: `[1, T]`, or `[3, 1, T]` on an M-RoPE model."""
+        positions = torch.arange(start, start + self.span)[None]
+        return positions.expand(3, 1, -1) if vlm else positions
+
+
 @dataclass(frozen=True)
 class VisionChunk:
     """Token ids, pixels and chunk-local M-RoPE positions of one image or frame run."""
@@ -64,6 +89,10 @@ class VisionChunk:
             h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         h.update(repr((self.kind, self.second_per_grid, sorted(self.settings.items()))).encode())
         return h.hexdigest()
+
+    def placed_positions(self, start: int, vlm: bool = True) -> torch.Tensor:
+        """`[3, 1, T]` M-RoPE positions of the chunk placed at `start` (position units)."""
+        return (self.positions + start)[:, None]
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The processor-style kwargs of this chunk for the model's own forward."""
@@ -220,20 +249,27 @@ class VisionPreparer:
                            second, settings)
 
 
+def as_chunk(part: Any) -> TextChunk | VisionChunk:
+    """A chunk's model input as a chunk object: 1-D token ids become a `TextChunk`."""
+    if isinstance(part, (TextChunk, VisionChunk)):
+        return part
+    if isinstance(part, torch.Tensor):
+        return TextChunk(part)
+    raise TypeError(f"a chunk is token ids, a TextChunk or a VisionChunk, got {type(part).__name__}")
+
+
 def rope_positions(model: Any, parts: Sequence[Any], tail: int = 0) -> tuple[torch.Tensor, int]:
     """The model's own `[3, T]` positions for a sequence of parts (VisionChunk, or a 1-D tensor of
     text ids), with `tail` text tokens appended; and the span (one past the end) of the parts."""
     ids, types, image_grids, video_grids, seconds = [], [], [], [], []
     for part in parts:
-        if isinstance(part, VisionChunk):
-            ids.append(part.ids)
-            types.append(part.mm_type)
+        part = as_chunk(part)
+        ids.append(part.ids)
+        types.append(part.mm_type)
+        if part.kind != "text":
             (image_grids if part.kind == "image" else video_grids).append(part.grid_thw)
-            if part.kind == "video":
-                seconds.append(1.0 if part.second_per_grid is None else part.second_per_grid)
-        else:
-            ids.append(part)
-            types.append(torch.zeros(len(part), dtype=torch.int32))
+        if part.kind == "video":
+            seconds.append(1.0 if part.second_per_grid is None else part.second_per_grid)
     if tail:
         ids.append(torch.full((tail,), 3, dtype=torch.long))
         types.append(torch.zeros(tail, dtype=torch.int32))

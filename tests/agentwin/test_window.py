@@ -427,3 +427,25 @@ def test_generate_stops_at_any_of_a_list_of_end_tokens():
         assert win.stats().forward_tokens["decode"] == before  # stopped after the query's forward
     finally:
         km.model.config.eos_token_id = saved
+
+
+def test_fit_orbit_reaches_chunks_already_placed():
+    """A chunk served with its orbit patch before `fit_orbit` is served with the new fit after
+    it: the same logits as a window that fitted the orbit before its first read."""
+    km = _km("tiny-llama-gqa")
+
+    def window():
+        win = Window(km, patch="orbit", rank=2)
+        ids = [win.append(t) for t in TEXTS[:3]]
+        win.reorder([ids[2], ids[0], ids[1]])
+        return win
+
+    placed = window()
+    before = placed.next_token_logprobs(QUERY)
+    assert placed.fit_orbit(orders=3, seed=1) == 3
+    after = placed.next_token_logprobs(QUERY)
+    fresh = window()
+    fresh.fit_orbit(orders=3, seed=1)
+    expected = fresh.next_token_logprobs(QUERY)
+    assert float((after - expected).abs().max()) <= 1e-6
+    assert float((after - before).abs().max()) > 1e-4  # the fit changed what is served

@@ -8,7 +8,11 @@ measured in that run:
 - at each recall, the KL between the window's next-token distribution for the question and a full
   re-prefill of the same tokens (`Window.next_token_logprobs` vs `Window.reference_logprobs`);
 - the answer SmolLM2 generates through the window, and the answer a full re-prefill generates;
-- the reuse savings: content-key hits, encode and prefill tokens avoided, the time that saves.
+- the work, next to a baseline run in the same process on the same inputs: at every step the
+  window is read for the step's prompt, as a model-driven agent reads it to decide, and the same
+  prompt is answered by a full re-prefill of the window's tokens (what an agent without a
+  reusable cache does); tokens forwarded by kind and wall time on both sides, and the KL between
+  the two next-token distributions at every step.
 
 The moves are a fixed heuristic, not the model (SmolLM2-135M is too small to navigate reliably):
 read every page in order, search for the question's key phrase, go back to the page found, recall
@@ -20,7 +24,6 @@ lets the model make the moves too. `agentwin demo --relocation` runs the relocat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kamera_core.metrics import kl_divergence
 
 from tools import relocation_demo
 from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
@@ -76,21 +81,48 @@ def answer_query(question: str) -> str:
     return f"\nQuestion: {question}\nAnswer:"
 
 
-def reference_generate(window: Any, query: str, max_new_tokens: int) -> str:
-    """Greedy continuation of `query` after a full re-prefill of the window's tokens (no reuse)."""
+def reference_generate(window: Any, query: str, max_new_tokens: int) -> tuple[str, int]:
+    """Greedy continuation of `query` after a full re-prefill of the window's tokens (no reuse),
+    and the number of forwards it ran (one prefill, then one per decoded token)."""
     km = window.km
     ids = window.input_ids(query)
-    out, position, cache = [], 0, None
+    out, position, cache, forwards = [], 0, None, 0
     eos = getattr(km.model.config, "eos_token_id", None)
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
     for _ in range(max_new_tokens):
+        forwards += 1
         result = km.forward(ids, position, cache)
         cache, position = result.cache, position + int(ids.numel())
         token = int(result.logits[0, -1].argmax())
-        if token == eos:
+        if token in eos:
             break
         out.append(token)
         ids = torch.tensor([token])
-    return km.tokenizer.decode(out)
+    return km.tokenizer.decode(out), forwards
+
+
+class DecisionReads:
+    """Wraps the heuristic: before each move, the window is read for the step's prompt (one query
+    forward over the window's KV, as a model-driven agent decides) and the same prompt is read by
+    a full re-prefill (the baseline); both are timed and their KL recorded."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.kls: list[float] = []
+        self.baseline_tokens = 0
+        self.baseline_s = 0.0
+
+    def observe(self, obs: Any) -> None:
+        self.inner.observe(obs)
+
+    def decide(self, window: Any, prompt: str) -> str:
+        mine = window.next_token_logprobs(prompt)
+        t0 = time.perf_counter()
+        reference = window.reference_logprobs(prompt)
+        self.baseline_s += time.perf_counter() - t0
+        self.baseline_tokens += int(window.input_ids(prompt).numel())
+        self.kls.append(kl_divergence(reference, mine, log_probs=True))
+        return self.inner.decide(window, prompt)
 
 
 def run_demo(km: Any, args: argparse.Namespace, pdf_path: Path, progress: bool = True, log=print) -> dict:
@@ -109,15 +141,21 @@ def run_demo(km: Any, args: argparse.Namespace, pdf_path: Path, progress: bool =
         answers["window_s"] = time.perf_counter() - t0
         return answers["window"]
 
-    policy = SkimSearchDecider(PHRASE, answer_fn=answer, recall_step=0)
+    reads = DecisionReads(SkimSearchDecider(PHRASE, answer_fn=answer, recall_step=0))
     with PdfEnv(pdf_path, progress=progress) as env:
-        loop = AgentLoop(env, window, policy, QUESTION, max_steps=args.max_steps, log_path=args.log,
-                         fidelity_query=query, progress=progress)
+        loop = AgentLoop(env, window, reads, QUESTION, max_steps=args.max_steps, log_path=args.log,
+                         progress=progress)
         result = loop.run()
     t0 = time.perf_counter()
-    reference = reference_generate(window, query, args.new_tokens).strip()
+    reference, decoded = reference_generate(window, query, args.new_tokens)
+    reference = reference.strip()
     reference_s = time.perf_counter() - t0
     s = result.summary
+    stats = window.stats()
+    # The decision read after each recall is the first read of the window with the chunk back.
+    recall_steps = [r.step for r in result.records if r.event == "recall"]
+    kl_at_recalls = [reads.kls[step] for step in recall_steps if step < len(reads.kls)]
+    answer_tokens = int(window.input_ids(query).numel()) + max(decoded - 1, 0)
     figures = {
         "question": QUESTION,
         "expected": EXPECTED,
@@ -125,8 +163,15 @@ def run_demo(km: Any, args: argparse.Namespace, pdf_path: Path, progress: bool =
         "reference_answer": reference,
         "answer_matches_reprefill": s.answer == reference,
         "answer_correct": s.answer is not None and EXPECTED.lower() in s.answer.lower(),
-        "kl_at_recalls": s.kl_at_recalls,
-        "max_kl": max((abs(k) for k in s.kl_at_recalls), default=None),
+        "kl_at_decisions": reads.kls,
+        "kl_at_recalls": kl_at_recalls,
+        "max_kl": max((abs(k) for k in reads.kls), default=None),
+        "decision_points": len(reads.kls),
+        "agentwin": {"forwarded_tokens": stats.forwarded_tokens, "by_kind": dict(stats.forward_tokens),
+                     "vision_tower_runs": stats.encoder_calls, "relocated_tokens": stats.relocated_tokens,
+                     "wall_s": stats.wall_s},
+        "reprefill": {"forwarded_tokens": reads.baseline_tokens + answer_tokens,
+                      "wall_s": reads.baseline_s + reference_s},
         "rank": "exact" if args.rank is None else args.rank,
         "patch": args.patch,
         "budget_tokens": args.budget_tokens,
@@ -152,13 +197,17 @@ def _report(run: dict, log=print) -> None:
         f"({'identical' if f['answer_matches_reprefill'] else 'DIFFERENT'})")
     log(f"  expected '{f['expected']}': {'found' if f['answer_correct'] else 'not found'} in the answer")
     kls = ", ".join(f"{k:.2e}" for k in f["kl_at_recalls"]) or "none"
-    log(f"KL(re-prefill || window) at each recall, {rank}: {kls} nats")
-    saved = "n/a" if s.time_saved_s is None else f"{s.time_saved_s:.2f} s"
-    log(f"reuse in this run: {s.content_hits} content-key hits and {s.recalls} recalls brought back "
-        f"{s.recalled_tokens} tokens without encoding; {s.prefill_tokens_avoided} tokens placed by "
-        f"relocation instead of prefill (~{saved} at "
-        f"{(s.prefill_s_per_token or 0) * 1e3:.2f} ms/token); {s.store_hits} store hits "
-        f"({s.encode_tokens_avoided} tokens)")
+    log(f"KL(re-prefill || window) at the read after each recall, {rank}: {kls} nats "
+        f"(largest over all {f['decision_points']} reads: {f['max_kl']:.2e})")
+    a, b = f["agentwin"], f["reprefill"]
+    kinds = ", ".join(f"{kind} {n}" for kind, n in a["by_kind"].items() if n)
+    log(f"\nwork, both sides run here on the same steps ({f['decision_points']} window reads + the answer):")
+    log(f"  agentwin window          : {a['forwarded_tokens']} tokens forwarded ({kinds}), "
+        f"{a['wall_s']:.2f} s in the window's calls")
+    log(f"  re-prefill at every read : {b['forwarded_tokens']} tokens forwarded, {b['wall_s']:.2f} s")
+    log(f"  agentwin / re-prefill    : {a['forwarded_tokens'] / max(b['forwarded_tokens'], 1):.2f} of the tokens, "
+        f"{a['wall_s'] / max(b['wall_s'], 1e-9):.2f} of the time; {a['relocated_tokens']} tokens were served "
+        f"by relocation (computed once, at append)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,120 @@
+"""What a benchmark run records besides its figures: the model's work seen from hooks on the
+model itself, min and median timings, the exact command line, and the machine with its load.
+
+`ForwardCounter` hooks the top-level model (every forward: the window's encodes, in-context and
+conditioned passes, queries, decoding, whole-window passes, and a plain re-prefill) and the vision
+tower, so a benchmark can check the window's own counters (`WindowStats`) against what the model
+actually ran, and count the work of baselines that do not go through a window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def vision_tower(model: Any) -> Any:
+    """The vision-tower module of a Qwen-VL model (`model.model.visual`), or None."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "visual", None)
+
+
+class ForwardCounter:
+    """Counts the forwards of `model` and the tokens they read, and the vision tower's runs.
+
+    Use as a context manager (hooks are removed on exit); `snapshot()` returns the counts so far
+    and `since(snapshot)` the counts after one. Tokens are the sequence length of `input_ids` (or
+    of `inputs_embeds`) of each top-level forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.forwards = 0
+        self.tokens = 0
+        self.vision_runs = 0
+        self._handles: list[Any] = []
+
+    def _on_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+            n = 0 if ids is None else int(ids.shape[1])
+        else:
+            n = int(ids.shape[-1])
+        self.forwards += 1
+        self.tokens += n
+
+    def _on_vision(self, module: Any, args: tuple) -> None:
+        self.vision_runs += 1
+
+    def __enter__(self) -> "ForwardCounter":
+        self._handles.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        tower = vision_tower(self.model)
+        if tower is not None:
+            self._handles.append(tower.register_forward_pre_hook(self._on_vision))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return {"forwards": self.forwards, "tokens": self.tokens, "vision_runs": self.vision_runs}
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        now = self.snapshot()
+        return {k: now[k] - before[k] for k in now}
+
+
+def timing(times: Sequence[float]) -> dict[str, Any]:
+    """min and median seconds of repeated runs, with the raw times."""
+    if not times:
+        raise ValueError("no timed runs")
+    return {"min_s": min(times), "median_s": statistics.median(times), "runs": [float(t) for t in times]}
+
+
+def command_of(prog: str, args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None]) -> str:
+    """The command line that reproduces `args`: `prog` plus every option whose value differs from
+    its default, in the parser's order."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = [prog]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help" or action.default == argparse.SUPPRESS:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return " ".join(words)
+
+
+def machine() -> dict[str, Any]:
+    """The machine's CPUs, platform and torch version (load averages are recorded by the caller)."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+            "torch": torch.__version__}
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def kinds(forward_tokens: dict[str, int]) -> dict[str, int]:
+    """Forwarded tokens by kind with zero kinds dropped, in `FORWARD_KINDS` order (then others)."""
+    from agentwin.window_stats import FORWARD_KINDS
+
+    order = [k for k in FORWARD_KINDS if forward_tokens.get(k)] + \
+        sorted(k for k in forward_tokens if k not in FORWARD_KINDS and forward_tokens[k])
+    return {k: int(forward_tokens[k]) for k in order}

@@ -85,6 +85,10 @@ class PdfEnv:
             "search": '{"text": "..."} list the pages that contain the text',
         }
 
+    def action_arguments(self) -> dict[str, dict[str, Any]]:
+        """Argument schemas refining `actions()` for decoding under a schema (`agents.grammar`)."""
+        return {"goto": {"page": {"type": "integer", "minimum": 1, "maximum": self.pages}}}
+
     def act(self, action: dict[str, Any]) -> Observation:
         name = action.get("action")
         if name == "next":
@@ -186,9 +190,13 @@ def _page_number(raw: Any, pages: int) -> int:
 
 
 def _progress(items: Any, desc: str, enabled: bool) -> Any:
+    """A progress bar on a terminal only: in a log or a pipe it would leave carriage returns and
+    cursor moves behind."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=desc, disable=not enabled, leave=False)
+    return tqdm(items, desc=desc, disable=not (enabled and sys.stderr.isatty()), leave=False)
 
 
 # ---- a plain text PDF writer ------------------------------------------------------------------

@@ -1,18 +1,26 @@
 """The step loop every agent shares: observe -> window update -> decide -> act -> record.
 
-- Observe: the environment's observation becomes chunk(s) (`observation_chunks`). An observation
-  whose content was seen before (`Observation.content_key()`) is not encoded again: still in view,
-  nothing happens; evicted, its chunks are recalled (their KV is read back, not recomputed). New
-  content is appended; the window's budget evicts the oldest chunks.
+- Observe: the environment's observation becomes chunk(s) that fit the window
+  (`agents.fit.fit_observation`: text larger than half the window is split, what cannot fit is
+  cut, and the step record says so). An observation whose content was seen before
+  (`Observation.content_key()`) is not encoded again: still in view, nothing happens; evicted, its
+  chunks are recalled (their KV is read back, not recomputed). New content is appended; the
+  window's budget evicts the oldest chunks.
 - Decide: the decider (the model through the window, or a script) reads the window and a prompt
-  (task, actions, what is out of view, the last error) and replies with text.
+  (task, actions, what is out of view, the last error) and replies with text. A decider with
+  `use_actions(actions, arguments, window)` is told the actions first (`WindowDecider` holds its reply to
+  their JSON schema and stops where the action object closes).
 - Act: the reply is parsed (`agents.actions`); "answer" ends the run, "recall" brings an earlier
   step's observation back, anything else goes to `Env.act`. A malformed reply or an action the
   environment refuses (`ActionError`) is shown to the model at the next step; `EnvError` stops the
   run with its message. `max_steps` bounds the number of decisions.
-- Record: one `StepRecord` per step (optionally appended to a JSONL file as it happens) and a
-  `RunSummary` at the end: steps, evictions, recalls, reuse hits, encode and prefill work avoided,
-  an estimate of the time saved, and the answer.
+- Record: one `StepRecord` per step (optionally appended to a JSONL file as it happens) with what
+  the window did in that step (evictions, recalls, store hits, vision-tower runs, tokens forwarded
+  by kind, read from `Window.stats()` before and after the step), and a `RunSummary` summed from
+  the records (`agents.records.summarize`).
+
+Progress: with `progress=True`, a bar on a terminal; elsewhere (a log file, a pipe) one plain line
+per step on stderr.
 
 With `fidelity_query`, each recall is checked: the KL between the window's next-token
 distribution after that query and a full re-prefill's (`Window.reference_logprobs`).
@@ -21,96 +29,19 @@ distribution after that query and a full re-prefill's (`Window.reference_logprob
 from __future__ import annotations
 
 import json
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from agents.actions import LOOP_ACTIONS, MalformedAction, describe_actions, parse_action, retry_message
 from agents.base import ActionError, Env, EnvError, Observation
+from agents.fit import fit_observation
 from agents.model import Decider
+from agents.records import RunSummary, StepRecord, summarize
 
-
-@dataclass
-class StepRecord:
-    """One step. Step 0 is the first observation (no decision); later steps hold the model's reply,
-    the parsed action, and what the window did with the resulting observation."""
-
-    step: int
-    reply: str | None = None
-    action: dict[str, Any] | None = None
-    error: str | None = None  # malformed reply, refused action, or the environment's error
-    observation: str | None = None  # label of the observation this step produced
-    event: str | None = None  # "append" | "recall" | "in-view" (content seen before) | "answer"
-    content_key: str | None = None
-    chunks: list[int] = field(default_factory=list)
-    evicted: list[str] = field(default_factory=list)  # "step N (label)" that left the window
-    recalled: list[str] = field(default_factory=list)  # "step N (label)" that came back
-    window_tokens: int = 0
-    kl: float | None = None  # KL(re-prefill || window) at a recall, with fidelity_query
-    seconds: float = 0.0
-
-
-@dataclass
-class RunSummary:
-    """The run's figures. Token counts come from `Window.stats()`; `recalled_tokens` are tokens
-    brought back by recalls (KV read back instead of encoded); `time_saved_s` estimates
-    `prefill_tokens_avoided × prefill_s_per_token`, the latter measured at the end of the run by
-    re-prefilling the final window once."""
-
-    env: str
-    model: str
-    task: str
-    steps: int
-    stopped: str  # "answer", "step limit", or "error: ..."
-    answer: str | None
-    observations: int
-    appended: int
-    evictions: int
-    recalls: int
-    content_hits: int  # observations seen before (recalled or still in view), not encoded again
-    store_hits: int  # chunks whose canonical KV came from the store (no encode)
-    encode_tokens_avoided: int
-    encoder_calls: int  # vision-tower runs (images and frames)
-    encoder_hits: int  # vision-tower outputs served from the store instead
-    recalled_tokens: int
-    prefill_tokens_avoided: int
-    conditioned_passes: int
-    malformed_replies: int
-    refused_actions: int
-    prefill_s_per_token: float | None
-    time_saved_s: float | None
-    kl_at_recalls: list[float]
-    window_tokens: int
-    budget_tokens: int
-    wall_s: float
-
-    def table(self) -> str:
-        """The summary as an aligned two-column table."""
-        rows = [
-            ("environment / model", f"{self.env} / {self.model}"),
-            ("steps", f"{self.steps} (stopped: {self.stopped})"),
-            ("observations", f"{self.observations} ({self.appended} appended, {self.content_hits} seen before)"),
-            ("evictions / recalls", f"{self.evictions} / {self.recalls}"),
-            ("reuse hits", f"{self.content_hits} content-key hits, {self.store_hits} store hits"),
-            ("encode avoided", f"{self.encode_tokens_avoided} tokens from the store + {self.recalled_tokens} recalled"),
-            ("vision encoder", f"{self.encoder_calls} runs, {self.encoder_hits} served from the store"),
-            ("prefill avoided", f"{self.prefill_tokens_avoided} tokens placed by relocation "
-                                f"({self.conditioned_passes} conditioned passes run)"),
-            ("time saved (est.)", "n/a" if self.time_saved_s is None else
-             f"{self.time_saved_s:.2f} s = {self.prefill_tokens_avoided} tokens x "
-             f"{self.prefill_s_per_token * 1e3:.2f} ms/token prefill"),
-            ("malformed / refused", f"{self.malformed_replies} / {self.refused_actions}"),
-            ("window", f"{self.window_tokens} of {self.budget_tokens} tokens"),
-            ("wall time", f"{self.wall_s:.1f} s"),
-        ]
-        if not (self.encoder_calls or self.encoder_hits):
-            rows = [row for row in rows if row[0] != "vision encoder"]
-        if self.kl_at_recalls:
-            rows.append(("KL at recalls", ", ".join(f"{k:.2e}" for k in self.kl_at_recalls) + " nats"))
-        rows.append(("answer", repr(self.answer) if self.answer is not None else "none"))
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+__all__ = ["AgentLoop", "RunResult", "RunSummary", "StepRecord", "kl_to_reference", "observation_chunks"]
 
 
 @dataclass
@@ -148,13 +79,23 @@ def kl_to_reference(window: Any, query: str) -> float:
     return float((reference.exp() * (reference - reused)).sum())
 
 
+_COUNTERS = ("evictions", "recalls", "canonical_hits", "encoder_calls", "encoder_hits")
+
+
+def _counters(window: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """The window's running counters and forwarded tokens by kind (0 / {} where it has none)."""
+    stats = window.stats()
+    tokens = getattr(stats, "forward_tokens", None)
+    return ({name: int(getattr(stats, name, 0) or 0) for name in _COUNTERS},
+            {k: int(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {})
+
+
 class AgentLoop:
     """Runs one task in one environment on one window; see the module docstring."""
 
     def __init__(self, env: Env, window: Any, decider: Decider, task: str, max_steps: int = 20,
                  log_path: str | Path | None = None, fidelity_query: str | None = None,
-                 progress: bool = False, measure_prefill: bool = True,
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 progress: bool = False, on_step: Callable[[StepRecord], None] | None = None) -> None:
         if not isinstance(env, Env):
             raise TypeError(f"env must implement agents.base.Env, got {type(env).__name__}")
         if not hasattr(decider, "decide"):
@@ -165,7 +106,7 @@ class AgentLoop:
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
         self.env, self.window, self.decider, self.task = env, window, decider, task.strip()
         self.max_steps, self.fidelity_query, self.progress = max_steps, fidelity_query, progress
-        self.measure_prefill, self.on_step = measure_prefill, on_step
+        self.on_step = on_step
         self.log_path = Path(log_path) if log_path is not None else None
         self.records: list[StepRecord] = []
         self._by_key: dict[str, list[int]] = {}  # content key -> chunk ids
@@ -175,8 +116,8 @@ class AgentLoop:
         self._tokens: dict[int, int] = {}  # chunk id -> its tokens
         self._chunk_step: dict[int, int] = {}  # chunk id -> step that first showed it
         self._current: tuple[int, str] | None = None
-        self._counts = {"content_hits": 0, "appended": 0, "recalled_tokens": 0, "malformed": 0, "refused": 0}
-        self._kls: list[float] = []
+        self._mark: tuple[dict[str, int], dict[str, int]] = ({}, {})  # counters at the step's start
+        self._present: set[int] = set()  # chunks in the window at any time during the step
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -185,21 +126,27 @@ class AgentLoop:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.write_text("")
-        bar = _bar(self.max_steps, f"{self.env.name} steps", self.progress)
+        if hasattr(self.decider, "use_actions"):
+            arguments = self.env.action_arguments() if hasattr(self.env, "action_arguments") else {}
+            self.decider.use_actions(self.env.actions(), arguments, window=self.window)
+        progress = _Progress(self.max_steps, self.env.name, self.progress)
         stopped, answer, notice = "step limit", None, None
         try:
-            record = StepRecord(step=0)
-            t0 = time.perf_counter()
+            record = self._begin(0)
             try:
                 self._observe(self.env.reset(), record)
             except EnvError as err:
-                record.error, stopped = str(err), f"error: {err}"
-            self._finish(record, t0)
+                record.error, record.error_kind, stopped = str(err), "environment", f"error: {err}"
+            self._finish(record)
             step = 0
             while not stopped.startswith("error") and step < self.max_steps:
                 step += 1
-                record, t0 = StepRecord(step=step), time.perf_counter()
+                record = self._begin(step)
                 record.reply = self.decider.decide(self.window, self._prompt(notice))
+                last = getattr(self.decider, "last", None)
+                if isinstance(last, dict):
+                    record.generated_tokens = last.get("generated_tokens")
+                    record.tokens_after_close = last.get("tokens_after_close")
                 notice = None
                 try:
                     action = parse_action(record.reply, allowed=set(self.env.actions()) | set(LOOP_ACTIONS))
@@ -212,23 +159,22 @@ class AgentLoop:
                     else:
                         self._observe(self.env.act(action), record)
                 except MalformedAction as err:
-                    self._counts["malformed"] += 1
-                    record.error = notice = retry_message(err)
+                    record.error, record.error_kind = retry_message(err), "malformed"
+                    notice = record.error
                 except ActionError as err:
-                    self._counts["refused"] += 1
-                    record.error = str(err)
+                    record.error, record.error_kind = str(err), "refused"
                     notice = f"That action failed: {err}"
                 except EnvError as err:
-                    record.error, stopped = str(err), f"error: {err}"
-                self._finish(record, t0)
-                bar.update(1)
-                bar.set_postfix_str(f"{(record.action or {}).get('action', 'malformed')}, "
-                                    f"{record.window_tokens} tok")
+                    record.error, record.error_kind, stopped = str(err), "environment", f"error: {err}"
+                self._finish(record)
+                progress.step(record)
                 if stopped == "answer":
                     break
         finally:
-            bar.close()
-        summary = self._summary(stopped, answer, time.perf_counter() - t_start)
+            progress.close()
+        summary = summarize(self.records, env=self.env.name, model=str(getattr(self.window.km, "name", "?")),
+                            task=self.task, stopped=stopped, answer=answer, window_tokens=self.window.tokens(),
+                            budget_tokens=int(self.window.budget_tokens), wall_s=time.perf_counter() - t_start)
         if self.log_path is not None:
             with self.log_path.open("a") as fh:
                 fh.write(json.dumps({"summary": asdict(summary)}, default=repr) + "\n")
@@ -244,27 +190,25 @@ class AgentLoop:
         before = self.window.chunks()
         if key in self._by_key:
             ids = self._by_key[key]
-            self._counts["content_hits"] += 1
             missing = [c for c in ids if c not in before]
             if missing:
                 self._bring_back(missing, record)
             else:
                 record.event = "in-view"
         else:
+            chunks, record.fitted = fit_observation(obs, self.window.km, int(self.window.budget_tokens))
             ids = []
-            for chunk in observation_chunks(obs, self.window.km):
+            for chunk in chunks:
                 try:
                     ids.append(self._append(chunk))
                 except ValueError as err:
                     raise EnvError(f"observation {obs.label!r} does not fit the window ({err}); raise "
-                                   "--budget-tokens or make observations smaller") from err
+                                   "--budget-tokens (or show less per observation: --max-chars for documents)") from err
             self._by_key[key] = ids
-            self._counts["appended"] += 1
             for c in ids:
                 self._chunk_step[c] = record.step
             record.event = "append"
         record.chunks = list(ids)
-        record.evicted = self._labels(c for c in before if c not in self.window.chunks())
         self._step_chunks[record.step] = list(ids)
         self._step_label[record.step] = obs.label
         self._step_meta[record.step] = obs.meta
@@ -273,8 +217,16 @@ class AgentLoop:
             self.decider.observe(obs)
 
     def _bring_back(self, chunk_ids: list[int], record: StepRecord) -> None:
-        """Recall `chunk_ids` at the window's end; the window evicts by its policy for room (a
-        window that refuses instead has its oldest other chunks evicted here)."""
+        """Recall `chunk_ids` at the window's end. Room for all of them is made first by evicting
+        the other chunks oldest first (so one part of an observation never pushes out another);
+        a window that still refuses has its oldest other chunks evicted here."""
+        observation = set(self._by_key_of(chunk_ids[0]))
+        needed = sum(self._tokens.get(c, 0) for c in chunk_ids)
+        while self.window.tokens() + needed > int(self.window.budget_tokens):
+            others = [c for c in self.window.chunks() if c not in observation]
+            if not others:
+                break
+            self.window.evict(others[0])
         for cid in chunk_ids:
             while True:
                 try:
@@ -285,12 +237,17 @@ class AgentLoop:
                     if not victims:
                         raise
                     self.window.evict(victims[0])
-        self._counts["recalled_tokens"] += sum(self._tokens.get(c, 0) for c in chunk_ids)
+            self._present.add(cid)
+        record.recalled_tokens += sum(self._tokens.get(c, 0) for c in chunk_ids)
         record.event = "recall"
         record.recalled = self._labels(chunk_ids)
         if self.fidelity_query:
             record.kl = kl_to_reference(self.window, self.fidelity_query)
-            self._kls.append(record.kl)
+
+    def _by_key_of(self, chunk_id: int) -> list[int]:
+        """The chunks of the observation that `chunk_id` belongs to."""
+        step = self._chunk_step.get(chunk_id)
+        return self._step_chunks.get(step, [chunk_id]) if step is not None else [chunk_id]
 
     def _append(self, chunk: Any) -> int:
         """Append one chunk; learn its token count from the window's totals (the chunks it
@@ -299,6 +256,7 @@ class AgentLoop:
         cid = int(self.window.append(chunk))
         gone = [c for c in before if c not in self.window.chunks()]
         self._tokens[cid] = self.window.tokens() - tokens + sum(self._tokens.get(c, 0) for c in gone)
+        self._present.add(cid)
         return cid
 
     def _recall_step(self, action: dict[str, Any], record: StepRecord) -> str:
@@ -329,33 +287,25 @@ class AgentLoop:
         if not missing:
             record.event = "in-view"
             return f"Step {step} ({label}){how} is already in view."
-        before = self.window.chunks()
         self._bring_back(missing, record)
-        record.evicted = self._labels(c for c in before if c not in self.window.chunks())
         return f"Step {step} ({label}){how} is back in view."
 
     def _first_steps(self) -> list[int]:
         return [s for s in sorted(self._step_chunks) if self._step_chunks[s] and self._first_step_of(s) == s]
 
     def _retrieve(self, query: str) -> tuple[int, float]:
-        """The observation whose chunks' key summaries (mean keys per layer) are closest to the
-        query's: cosine per layer, averaged over layers, best chunk of each observation."""
-        import torch
-
+        """The observation whose chunks' key summaries are closest to the query's
+        (`Window.nearest`: cosine per layer, averaged over layers); best chunk of each observation."""
         steps = self._first_steps()
         if not steps:
             raise ActionError("there is no earlier observation to recall")
-        ids = self.window.km.tokenize(query)
-        if ids.numel() == 0:
-            raise ActionError("the recall query has no tokens")
-        q = torch.nn.functional.normalize(self.window.km.key_summary(ids).float(), dim=-1)
-        best = None
-        for step in steps:
-            scores = [float((torch.nn.functional.normalize(self.window.key_summary(c).float(), dim=-1) * q)
-                            .sum(-1).mean()) for c in self._step_chunks[step]]
-            if best is None or max(scores) > best[1]:
-                best = (step, max(scores))
-        return best
+        step_of = {c: step for step in steps for c in self._step_chunks[step]}
+        try:
+            ranked = self.window.nearest(query, k=len(step_of), among=list(step_of))
+        except ValueError as err:
+            raise ActionError(f"the recall query cannot be searched: {err}") from None
+        chunk, score = ranked[0]
+        return step_of[chunk], score
 
     def _at_time(self, raw: Any) -> int:
         try:
@@ -369,7 +319,7 @@ class AgentLoop:
                 return step
         raise ActionError(f"no earlier observation covers {t:g} s")
 
-    # ---- prompt, records, summary -----------------------------------------------------------
+    # ---- prompt, records ----------------------------------------------------------------------
 
     def _prompt(self, notice: str | None) -> str:
         in_view = set(self.window.chunks())
@@ -396,44 +346,31 @@ class AgentLoop:
         steps = sorted({self._chunk_step[c] for c in chunk_ids if c in self._chunk_step})
         return [f"step {s} ({self._step_label.get(s, '?')})" for s in steps]
 
-    def _finish(self, record: StepRecord, t0: float) -> None:
+    def _begin(self, step: int) -> StepRecord:
+        self._t0 = time.perf_counter()
+        self._mark = _counters(self.window)
+        self._present = set(self.window.chunks())
+        return StepRecord(step=step)
+
+    def _finish(self, record: StepRecord) -> None:
+        """What the window did during the step, from its counters and chunks before and after."""
+        counts, tokens = _counters(self.window)
+        delta = {k: v - self._mark[0].get(k, 0) for k, v in counts.items()}
+        record.evicted_chunks, record.recalled_chunks = delta["evictions"], delta["recalls"]
+        record.store_hits = delta["canonical_hits"]
+        record.encoder_runs, record.encoder_reused = delta["encoder_calls"], delta["encoder_hits"]
+        record.forward_tokens = {k: v - self._mark[1].get(k, 0) for k, v in tokens.items()
+                                 if v - self._mark[1].get(k, 0)}
+        now = set(self.window.chunks())
+        record.evicted = self._labels(c for c in sorted(self._present) if c not in now)
         record.window_tokens = self.window.tokens()
-        record.seconds = time.perf_counter() - t0
+        record.seconds = time.perf_counter() - self._t0
         self.records.append(record)
         if self.log_path is not None:
             with self.log_path.open("a") as fh:
                 fh.write(json.dumps(asdict(record), default=repr) + "\n")
         if self.on_step is not None:
             self.on_step(record)
-
-    def _summary(self, stopped: str, answer: str | None, wall: float) -> RunSummary:
-        stats = self.window.stats()
-        per_token = self._prefill_s_per_token() if self.measure_prefill else None
-        return RunSummary(
-            env=self.env.name, model=str(getattr(self.window.km, "name", "?")), task=self.task,
-            steps=len(self.records) - 1, stopped=stopped, answer=answer,
-            observations=sum(1 for r in self.records if r.event in ("append", "recall", "in-view")
-                             and (r.action or {}).get("action") != "recall"),
-            appended=self._counts["appended"], evictions=stats.evictions, recalls=stats.recalls,
-            content_hits=self._counts["content_hits"], store_hits=stats.canonical_hits,
-            encode_tokens_avoided=stats.encode_tokens_avoided, recalled_tokens=self._counts["recalled_tokens"],
-            encoder_calls=int(getattr(stats, "encoder_calls", 0)), encoder_hits=int(getattr(stats, "encoder_hits", 0)),
-            prefill_tokens_avoided=stats.prefill_tokens_avoided, conditioned_passes=stats.conditioned_passes,
-            malformed_replies=self._counts["malformed"], refused_actions=self._counts["refused"],
-            prefill_s_per_token=per_token,
-            time_saved_s=None if per_token is None else per_token * stats.prefill_tokens_avoided,
-            kl_at_recalls=list(self._kls), window_tokens=self.window.tokens(),
-            budget_tokens=int(self.window.budget_tokens), wall_s=wall)
-
-    def _prefill_s_per_token(self) -> float | None:
-        """Seconds per token of one full re-prefill of the final window (plus a one-token query)."""
-        tokens = self.window.tokens()
-        if tokens == 0:
-            return None
-        query = "\n"
-        t0 = time.perf_counter()
-        self.window.reference_logprobs(query)
-        return (time.perf_counter() - t0) / (tokens + int(self.window.km.tokenize(query).numel()))
 
 
 def _answer_text(action: dict[str, Any]) -> str:
@@ -443,7 +380,29 @@ def _answer_text(action: dict[str, Any]) -> str:
     return str(text).strip()
 
 
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+class _Progress:
+    """Step progress on stderr: a tqdm bar on a terminal, one plain line per step elsewhere (no
+    carriage returns or cursor moves in logs), nothing when disabled."""
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=True, dynamic_ncols=True)
+    def __init__(self, total: int, name: str, enabled: bool) -> None:
+        self.total, self.name, self.enabled = total, name, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.bar = None
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name} steps", leave=True, dynamic_ncols=True)
+
+    def step(self, record: StepRecord) -> None:
+        what = (record.action or {}).get("action", "malformed")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{what}, {record.window_tokens} tok")
+        elif self.enabled:
+            where = f" -> {record.observation}" if record.observation and record.event != "answer" else ""
+            print(f"{self.name} step {record.step}/{self.total}: {what}{where}, window {record.window_tokens} "
+                  f"tokens, {record.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

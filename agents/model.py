@@ -4,8 +4,10 @@
 it (`agents.actions`). The window holds the observations as chunks; the prompt is the query read
 after them (task, actions, the last error, what is in and out of view).
 
-- `WindowDecider`: the real model through `Window.generate` (greedy), so every decision reads the
-  reused KV of the observations and only the prompt is prefilled.
+- `WindowDecider`: the real model through the window (greedy), so every decision reads the
+  reused KV of the observations and only the prompt is prefilled. Told the actions
+  (`use_actions`, which the loop calls), it holds the reply to their JSON schema
+  (`agents.grammar`, xgrammar's token masks) and stops decoding where the action object closes.
 - `ScriptedDecider`: fixed replies or a function, for tests and for scripted navigation.
 
 A decider that keeps its own state may also have `observe(observation)`: the loop calls it with
@@ -58,19 +60,92 @@ class ScriptedDecider:
 
 
 class WindowDecider:
-    """The window's model, greedy: `window.generate(prompt + " " + prime, max_new_tokens)`.
+    """The window's model, greedy, replying after `prompt + " " + prime`.
 
-    `prime` starts the reply for the model (default `{"action": "`): small models then complete a
-    JSON action instead of writing prose; the reply returned is `prime` plus what the model wrote.
-    `prime=""` leaves the reply entirely to the model."""
+    `prime` starts the reply for the model (default `{"action": "`): the reply returned is `prime`
+    plus what the model wrote. After `use_actions(actions, arguments)` (the loop calls it with the
+    environment's actions) every token is held to the actions' JSON schema (`constrain=True`, on
+    models with a transformers tokenizer) and decoding stops at the token that closes the action
+    object; without a schema it still stops there (braces counted outside strings).
+    `max_new_tokens` bounds a reply either way. `last` describes the last decision:
+    `generated_tokens`, `tokens_after_close` (0 when decoding stopped at the close; None when the
+    object never closed) and `constrained`."""
 
-    def __init__(self, max_new_tokens: int = 48, prime: str = '{"action": "') -> None:
+    def __init__(self, max_new_tokens: int = 48, prime: str = '{"action": "', constrain: bool = True) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if not isinstance(prime, str):
             raise TypeError(f"prime must be a str, got {type(prime).__name__}")
-        self.max_new_tokens, self.prime = max_new_tokens, prime
+        self.max_new_tokens, self.prime, self.constrain = max_new_tokens, prime, bool(constrain)
+        self.schema: dict | None = None
+        self.last: dict[str, Any] = {}
+
+    def use_actions(self, actions: dict[str, str], arguments: dict[str, dict] | None = None,
+                    window: Any = None) -> None:
+        """Hold later replies to the schema of these actions (and the loop's recall / answer);
+        with `window`, the schema is compiled for its model's tokenizer now rather than at the
+        first decision."""
+        from agents.grammar import action_schema, grammar_for
+
+        self.schema = action_schema(actions, arguments)
+        if window is not None and self.constrain:
+            grammar = grammar_for(window.km)
+            if grammar is not None:
+                grammar.compile(self.schema)
 
     def decide(self, window: Any, prompt: str) -> str:
         query = f"{prompt} {self.prime}" if self.prime else prompt
-        return self.prime + window.generate(query, max_new_tokens=self.max_new_tokens)
+        if not hasattr(window, "generate_ids"):  # a window without token-level decoding
+            text = window.generate(query, max_new_tokens=self.max_new_tokens)
+            self.last = {"generated_tokens": None, "tokens_after_close": None, "constrained": False}
+            return self.prime + text
+        constraint = self._constraint(window)
+        decode = window.km.tokenizer.decode
+        if constraint is not None:
+            def stop(ids: list[int]) -> bool:
+                return not constraint.accept(ids[-1]) or constraint.closed
+        else:
+            def stop(ids: list[int]) -> bool:
+                return _closes(self.prime + decode(ids))
+        ids = window.generate_ids(query, self.max_new_tokens, logits_processor=constraint, stop=stop)
+        self.last = {"generated_tokens": len(ids), "tokens_after_close": _after_close(self.prime, ids, decode),
+                     "constrained": constraint is not None}
+        return self.prime + decode(ids)
+
+    def _constraint(self, window: Any) -> Any:
+        if not self.constrain or self.schema is None:
+            return None
+        from agents.grammar import grammar_for
+
+        grammar = grammar_for(window.km)
+        return None if grammar is None else grammar.constraint(self.schema, self.prime)
+
+
+def _closes(text: str) -> bool:
+    """Whether `text` holds a complete top-level JSON object (braces outside strings balance)."""
+    depth, quote, escaped, opened = 0, False, False, False
+    for ch in text:
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quote = False
+        elif ch == '"':
+            quote = True
+        elif ch == "{":
+            depth, opened = depth + 1, True
+        elif ch == "}" and opened:
+            depth -= 1
+            if depth == 0:
+                return True
+    return False
+
+
+def _after_close(prime: str, ids: list[int], decode: Callable[[list[int]], str]) -> int | None:
+    """Tokens of `ids` after the one that closed the action object (None: it never closed)."""
+    for n in range(1, len(ids) + 1):
+        if _closes(prime + decode(ids[:n])):
+            return len(ids) - n
+    return None

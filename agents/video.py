@@ -27,9 +27,12 @@ at a timestamp.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import sys
+import tempfile
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -79,6 +82,21 @@ class _Reader:
         pass
 
 
+@contextlib.contextmanager
+def _native_stderr_captured() -> Any:
+    """Within the block, what native code writes to file descriptor 2 goes to a temporary file
+    (decord's C++ logger prints failures there itself; VideoEnv reports them in its own error)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 class _DecordReader(_Reader):
     name = "decord"
 
@@ -86,7 +104,8 @@ class _DecordReader(_Reader):
         import decord
 
         decord.logging.set_level(decord.logging.QUIET)  # failures are reported by VideoEnv
-        self._vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1)
+        with _native_stderr_captured():
+            self._vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1)
         self.num_frames = len(self._vr)
         self.fps = float(self._vr.get_avg_fps())
         if self.num_frames <= 0 or not self.fps > 0:
@@ -339,6 +358,11 @@ class VideoEnv:
             "seek": '{"time": SECONDS} - the segment holding that second',
             "segment": f'{{"index": N}} - segment N (0-based; 0-{self.num_segments - 1})',
         }
+
+    def action_arguments(self) -> dict[str, dict[str, Any]]:
+        """Argument schemas refining `actions()` for decoding under a schema (`agents.grammar`)."""
+        return {"seek": {"time": {"type": "number", "minimum": 0, "maximum": round(self.duration, 3)}},
+                "segment": {"index": {"type": "integer", "minimum": 0, "maximum": self.num_segments - 1}}}
 
     def act(self, action: dict[str, Any]) -> Observation:
         if not isinstance(action, dict) or "action" not in action:

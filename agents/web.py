@@ -16,7 +16,8 @@ view of the page (for text-only models and for grounding):
 Actions: goto {url}, click {element}, type {element, text, submit?}, scroll {direction: up|down},
 back. Element numbers refer to the last observation.
 
-Only http(s) pages on allowed hosts are visited (default: the start URL's host, any port).
+Only http(s) pages on allowed hosts are visited: the start URL's host (any port) and the hosts in
+`allow_hosts`.
 `goto` to another host or scheme (file://, data:, chrome:) is refused with `ActionError`; so is a
 link to one; a navigation that a click, a form, a script or a redirect starts towards one is stopped
 by request interception, and the page stays where it was. Requests for other hosts' images, scripts and styles
@@ -30,21 +31,27 @@ stopped, caret hidden, focus rings hidden, the mouse parked in a corner), so a r
 the same `Observation.content_key()` and its chunk is recalled instead of encoded again.
 
 Playwright's sync API ties the browser to the thread that started it: use one `BrowserEnv` from
-one thread, and not inside a running asyncio event loop.
+one thread, and not inside a running asyncio event loop. The scripts run in the page and the
+element lines are in `agents.web_page`; network errors, the shared driver and the start URL's
+checks (`check_reachable`, run before a model is loaded) in `agents.web_net`.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import tempfile
-import threading
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from PIL import Image
 
 from agents.base import ActionError, EnvError, Observation
+from agents.web_net import acquire_driver, check_reachable, check_start_url, reason, release_driver
+from agents.web_page import INIT_SCRIPT, OBSERVE_JS, SCREENSHOT_STYLE, describe_element
+
+__all__ = ["BrowserEnv", "CHROMIUM", "check_reachable"]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = (
@@ -52,151 +59,11 @@ CHROMIUM_ARGS = (
     "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic",
     "--hide-scrollbars", "--font-render-hinting=none",
 )
-# Applied only while the screenshot is taken: the same page always gives the same pixels.
-_SCREENSHOT_STYLE = "*:focus, *:focus-visible { outline: none !important; }"
-# Keep every page in one tab: links and forms with a target, and window.open, navigate in place.
-_INIT_SCRIPT = """
-(() => {
-  const strip = (e) => {
-    const el = e.target && e.target.closest ? e.target.closest('a[target], form[target], area[target]') : null;
-    if (el) el.removeAttribute('target');
-  };
-  document.addEventListener('click', strip, true);
-  document.addEventListener('submit', strip, true);
-  window.open = (url) => { if (url) location.href = url; return null; };
-})();
-"""
-# The text view: title, scroll position, the text in the viewport, the numbered elements.
-_OBSERVE_JS = """
-([maxChars, maxElements]) => {
-  const vh = window.innerHeight;
-  const root = document.body || document.documentElement;
-  const shown = (el) => {
-    if (!el || !el.getBoundingClientRect) return false;
-    if (el.checkVisibility && !el.checkVisibility({opacityProperty: true, visibilityProperty: true})) return false;
-    const r = el.getBoundingClientRect();
-    return r.width > 0 && r.height > 0;
-  };
-  const inView = (r) => r.bottom > 0 && r.top < vh;
-  const clean = (s, n) => { s = (s || '').replace(/\\s+/g, ' ').trim(); return s.length > n ? s.slice(0, n - 1) + '…' : s; };
-  let text = '', lastBottom = null;
-  if (root) {
-    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
-    const range = document.createRange();
-    let node;
-    while ((node = walker.nextNode()) && text.length <= maxChars) {
-      const s = node.nodeValue.replace(/\\s+/g, ' ').trim();
-      const parent = node.parentElement;
-      if (!s || !parent || ['SCRIPT', 'STYLE', 'NOSCRIPT', 'TEMPLATE', 'OPTION'].includes(parent.tagName)) continue;
-      if (!shown(parent)) continue;
-      range.selectNodeContents(node);
-      const r = range.getBoundingClientRect();
-      if (r.width === 0 || !inView(r)) continue;
-      text += (lastBottom === null ? '' : (r.top >= lastBottom - 2 ? '\\n' : ' ')) + s;
-      lastBottom = r.bottom;
-    }
-  }
-  if (text.length > maxChars) text = text.slice(0, maxChars - 1) + '…';
-  document.querySelectorAll('[data-agentwin-id]').forEach((e) => e.removeAttribute('data-agentwin-id'));
-  const selector = 'a[href], button, input:not([type=hidden]), select, textarea, summary, ' +
-    '[role=button], [role=link], [role=textbox], [contenteditable=""], [contenteditable=true]';
-  let els = Array.from(document.querySelectorAll(selector)).filter(shown);
-  const total = els.length;
-  if (els.length > maxElements) {
-    const visible = els.filter((e) => inView(e.getBoundingClientRect()));
-    const keep = new Set(visible.slice(0, maxElements));
-    for (const e of els) { if (keep.size >= maxElements) break; keep.add(e); }
-    els = els.filter((e) => keep.has(e));
-  }
-  const nameOf = (e) => {
-    const by = e.getAttribute('aria-labelledby');
-    const labelled = by ? by.split(/\\s+/).map((id) => (document.getElementById(id) || {}).innerText || '').join(' ') : '';
-    const img = e.querySelector ? e.querySelector('img[alt]') : null;
-    const label = e.labels && e.labels.length ? e.labels[0].innerText : '';
-    const isButtonInput = e.tagName === 'INPUT' && ['submit', 'button', 'reset'].includes(e.type);
-    return clean(e.getAttribute('aria-label') || labelled || label ||
-      (['INPUT', 'SELECT', 'TEXTAREA'].includes(e.tagName) ? '' : e.innerText) ||
-      (isButtonInput ? e.value || e.type : '') || e.getAttribute('placeholder') || e.getAttribute('title') ||
-      (img ? img.alt : '') || e.getAttribute('name') || '', 80);
-  };
-  const kindOf = (e) => {
-    const t = e.tagName, role = e.getAttribute('role');
-    if (t === 'A' || role === 'link') return 'link';
-    if (t === 'BUTTON' || t === 'SUMMARY' || role === 'button') return 'button';
-    if (t === 'INPUT') return ['submit', 'button', 'reset', 'image'].includes(e.type) ? 'button' : 'input';
-    if (t === 'SELECT') return 'select';
-    if (t === 'TEXTAREA') return 'textarea';
-    return 'textbox';
-  };
-  const elements = els.map((e, i) => {
-    const id = i + 1;
-    e.setAttribute('data-agentwin-id', String(id));
-    const kind = kindOf(e);
-    const info = {id, kind, name: nameOf(e), tag: e.tagName.toLowerCase(), type: e.type || '',
-                  href: e.tagName === 'A' ? e.href : '', disabled: !!e.disabled, value: '', options: [],
-                  checked: null};
-    if (e.tagName === 'INPUT' && ['checkbox', 'radio'].includes(e.type)) info.checked = e.checked;
-    else if (e.tagName === 'INPUT' && e.type !== 'password' && kind === 'input') info.value = clean(e.value, 60);
-    else if (e.tagName === 'TEXTAREA') info.value = clean(e.value, 60);
-    else if (e.tagName === 'SELECT') {
-      info.value = e.selectedIndex >= 0 ? clean(e.options[e.selectedIndex].text, 40) : '';
-      info.options = Array.from(e.options).slice(0, 12).map((o) => clean(o.text, 30));
-    }
-    return info;
-  });
-  const doc = document.scrollingElement || document.documentElement;
-  return {title: document.title || '', text, elements, total,
-          scrollY: Math.round(window.scrollY), height: Math.round(doc ? doc.scrollHeight : vh), vh};
-}
-"""
-_NET_ERRORS = {
-    "ECONNREFUSED": "connection refused (nothing listens there; is the server running and the port right?)",
-    "ERR_CONNECTION_REFUSED": "connection refused (nothing listens there; is the server running and the port right?)",
-    "ENOTFOUND": "the host name does not resolve (check the spelling)",
-    "EAI_AGAIN": "the host name does not resolve (check the spelling, or the network)",
-    "ERR_NAME_NOT_RESOLVED": "the host name does not resolve (check the spelling)",
-    "ECONNRESET": "the connection was reset by the server",
-    "EHOSTUNREACH": "the host is unreachable",
-    "ENETUNREACH": "the network is unreachable",
-    "ERR_UNSAFE_PORT": "the browser refuses that port as unsafe",
-    "ERR_CERT": "the server's TLS certificate is not valid",
-    "Timeout": "timed out",
-}
-
-
-_DRIVERS = threading.local()  # one Playwright driver per thread, shared by that thread's browsers
-
-
-def _acquire_driver() -> Any:
-    from playwright.sync_api import sync_playwright
-
-    if getattr(_DRIVERS, "pw", None) is None:
-        _DRIVERS.pw, _DRIVERS.users = sync_playwright().start(), 0
-    _DRIVERS.users += 1
-    return _DRIVERS.pw
-
-
-def _release_driver() -> None:
-    if getattr(_DRIVERS, "pw", None) is None:
-        return
-    _DRIVERS.users -= 1
-    if _DRIVERS.users <= 0:
-        pw, _DRIVERS.pw = _DRIVERS.pw, None
-        pw.stop()
-
-
-def _reason(message: str) -> str:
-    for code, text in _NET_ERRORS.items():
-        if code in message:
-            return text
-    return message.strip().splitlines()[0][:200] if message.strip() else "unknown error"
-
-
 class BrowserEnv:
     """A headless Chromium tab on allowed hosts (see the module docstring).
 
-    `allow_hosts`: host names (any port) that may be visited, `"*.example.org"` for a domain and
-    its subdomains; default: the start URL's host. `timeout_s` bounds every page load and action.
+    `allow_hosts`: host names (any port) that may be visited besides the start URL's host,
+    `"*.example.org"` for a domain and its subdomains. `timeout_s` bounds every page load and action.
     `screenshot=False` gives text-only observations."""
 
     name = "web"
@@ -205,15 +72,10 @@ class BrowserEnv:
                  viewport: tuple[int, int] = (1280, 800), timeout_s: float = 15,
                  screenshot: bool = True, max_text_chars: int = 2000, max_elements: int = 60,
                  executable_path: str = CHROMIUM) -> None:
-        parts = urlsplit(start_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EnvError(f"start URL {start_url!r} is not an http(s) URL; the browser visits web pages "
-                           f"only (file:// and other schemes are refused)")
+        start_host = check_start_url(start_url)
         self.start_url = start_url
-        hosts = allow_hosts if allow_hosts is not None else [parts.hostname]
-        self.allow_hosts = tuple(h.lower().strip() for h in hosts if h and h.strip())
-        if not self.allow_hosts:
-            raise ValueError("allow_hosts is empty: no page could be visited")
+        extra = [h.lower().strip() for h in (allow_hosts or ()) if h and h.strip()]
+        self.allow_hosts = tuple(dict.fromkeys([start_host, *extra]))
         self.viewport = (int(viewport[0]), int(viewport[1]))
         self.timeout_s = float(timeout_s)
         self.screenshot = bool(screenshot)
@@ -250,7 +112,7 @@ class BrowserEnv:
             why = f"the {parts.scheme or 'empty'}: scheme is not allowed (only http and https pages)"
         else:
             why = f"host {parts.hostname!r} is not in the allow-list ({', '.join(self.allow_hosts)})"
-        return ActionError(f"refused to open {url}: {why}; stay on the allowed site")
+        return ActionError(f"refused to open {url}: {why}; only pages on the allowed hosts are opened")
 
     # browser life cycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -263,7 +125,7 @@ class BrowserEnv:
                            f"(`apt-get install chromium`) or pass executable_path=")
         self._profile = tempfile.mkdtemp(prefix="agentwin-chromium-")
         try:
-            self._pw = _acquire_driver()
+            self._pw = acquire_driver()
             self._ctx = self._pw.chromium.launch_persistent_context(
                 self._profile, executable_path=self.executable_path, headless=True, args=list(CHROMIUM_ARGS),
                 viewport={"width": self.viewport[0], "height": self.viewport[1]}, device_scale_factor=1,
@@ -274,10 +136,10 @@ class BrowserEnv:
             if "asyncio loop" in str(e):
                 raise EnvError("BrowserEnv uses Playwright's sync API, which cannot run inside an asyncio "
                                "event loop (e.g. a notebook cell); run it in a plain thread") from None
-            raise EnvError(f"Chromium at {self.executable_path} did not start: {_reason(str(e))}") from None
+            raise EnvError(f"Chromium at {self.executable_path} did not start: {reason(str(e))}") from None
         self._ctx.set_default_timeout(self.timeout_s * 1000)
         self._ctx.set_default_navigation_timeout(self.timeout_s * 1000)
-        self._ctx.add_init_script(_INIT_SCRIPT)
+        self._ctx.add_init_script(INIT_SCRIPT)
         self._ctx.route("**/*", self._route)
         self._page = self._ctx.pages[0] if self._ctx.pages else self._ctx.new_page()
         self._page.on("dialog", self._dialog)
@@ -303,7 +165,7 @@ class BrowserEnv:
             # No redirects followed here: the browser follows them, through this check again.
             response = route.fetch(max_redirects=0, timeout=self.timeout_s * 1000)
         except PWError as e:
-            self._failed.append((request.url, _reason(str(e))))
+            self._failed.append((request.url, reason(str(e))))
             route.fulfill(status=204, body="")
             return
         location = response.headers.get("location")
@@ -341,7 +203,7 @@ class BrowserEnv:
             pass  # already gone
         if self._pw is not None:
             try:
-                _release_driver()
+                release_driver()
             except Exception:
                 pass
         self._ctx = self._pw = self._page = None
@@ -370,6 +232,17 @@ class BrowserEnv:
             "back": "{} - go back to the previous page",
         }
 
+    def action_arguments(self) -> dict[str, dict[str, Any]]:
+        """Argument schemas refining `actions()` for decoding under a schema (`agents.grammar`):
+        a goto URL is a path on this site or an http(s) URL on an allowed host, of bounded length
+        (a model cannot write a URL that would be refused), and scroll goes up or down."""
+        hosts = "|".join(r"([a-z0-9-]+\.)*" + re.escape(h[2:]) if h.startswith("*.") else re.escape(h)
+                         for h in self.allow_hosts)
+        path = r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?#-]{0,48}"
+        url = rf"^({path}|https?://({hosts})(:[0-9]{{1,5}})?({path})?)$"
+        return {"goto": {"url": {"type": "string", "pattern": url}},
+                "scroll": {"direction": {"enum": ["down", "up"]}}}
+
     def act(self, action: dict[str, Any]) -> Observation:
         from playwright.sync_api import Error as PWError, TimeoutError as PWTimeout
 
@@ -390,9 +263,9 @@ class BrowserEnv:
                               f"stuck: try again, or go elsewhere") from None
         except PWError as e:
             if "closed" in str(e).lower() and "Target" in str(e):
-                raise EnvError(f"the browser closed unexpectedly ({_reason(str(e))}); start again") from None
+                raise EnvError(f"the browser closed unexpectedly ({reason(str(e))}); start again") from None
             self._recover()
-            raise ActionError(f"{kind} failed: {_reason(str(e))}") from None
+            raise ActionError(f"{kind} failed: {reason(str(e))}") from None
         return self._observe()
 
     def _begin(self) -> None:
@@ -425,14 +298,27 @@ class BrowserEnv:
         except PWError as e:
             self._check_outcome()
             self._recover()
-            raise ActionError(f"could not load {url}: {_reason(str(e))}") from None
+            raise ActionError(f"could not load {url}: {reason(str(e))}") from None
         self._check_outcome()
 
     def _goto(self, action: dict[str, Any]) -> None:
         url = action.get("url")
         if not isinstance(url, str) or not url.strip():
-            raise ActionError('goto needs "url", e.g. {"action": "goto", "url": "/about.html"}')
+            raise ActionError(f'goto needs "url", e.g. {{"action": "goto", "url": "{self._example_url()}"}}')
         self._navigate(urljoin(self._page.url, url.strip()))
+
+    def _example_url(self) -> str:
+        """A URL to show in an example: a link of the current page on an allowed host (as the
+        text view shows it), else the current page."""
+        base = urlsplit(self._page.url)
+        for e in self._elements.values():
+            href = e.get("href") or ""
+            if e.get("kind") == "link" and href and self.allowed(href):
+                target = urlsplit(href)
+                if (target.scheme, target.netloc) == (base.scheme, base.netloc):
+                    return target.path + (f"?{target.query}" if target.query else "")
+                return href
+        return base.path or "/"
 
     def _element(self, action: dict[str, Any], verb: str) -> tuple[dict[str, Any], Any]:
         n = action.get("element")
@@ -524,13 +410,13 @@ class BrowserEnv:
                 self._page.on("dialog", self._dialog)
             self._page.goto(back_to, wait_until="load")
         except Exception as e:
-            raise EnvError(f"the browser could not return to {back_to} after an error ({_reason(str(e))}); "
+            raise EnvError(f"the browser could not return to {back_to} after an error ({reason(str(e))}); "
                            f"start again") from None
 
     # observation ----------------------------------------------------------------------------------
     def _observe(self) -> Observation:
         page = self._page
-        data = page.evaluate(_OBSERVE_JS, [self.max_text_chars, self.max_elements])
+        data = page.evaluate(OBSERVE_JS, [self.max_text_chars, self.max_elements])
         self._elements = {e["id"]: e for e in data["elements"]}
         url = page.url
         self._last_url = url
@@ -548,40 +434,15 @@ class BrowserEnv:
         lines.append("Elements:" if data["elements"] else "Elements: none")
         base = urlsplit(url)
         for e in data["elements"]:
-            lines.append(self._describe(e, base))
+            lines.append(describe_element(e, base))
         if data["total"] > len(data["elements"]):
             lines.append(f"({data['total'] - len(data['elements'])} more elements elsewhere on the page; scroll to see them)")
         images: tuple[Any, ...] = ()
         if self.screenshot:
             page.mouse.move(0, 0)  # no hover effects from the last click
             png = page.screenshot(type="png", animations="disabled", caret="hide", scale="css",
-                                  style=_SCREENSHOT_STYLE)
+                                  style=SCREENSHOT_STYLE)
             images = (Image.open(io.BytesIO(png)).convert("RGB"),)
         return Observation(label=url, text="\n".join(lines), images=images,
                            meta={"url": url, "title": data["title"], "status": self._status,
                                  "elements": len(data["elements"])})
-
-    @staticmethod
-    def _describe(e: dict[str, Any], base: Any) -> str:
-        name = e["name"].replace("'", "’")
-        out = f"[{e['id']}] {e['kind']} '{name}'"
-        if e["kind"] == "link" and e["href"]:
-            target = urlsplit(e["href"])
-            if (target.scheme, target.netloc) == (base.scheme, base.netloc):
-                shown = target.path + (f"?{target.query}" if target.query else "") + (f"#{target.fragment}" if target.fragment else "")
-            else:
-                shown = e["href"]
-            out += f" -> {shown}"
-        elif e["kind"] == "input":
-            out += f" ({e['type'] or 'text'})"
-            if e["checked"] is not None:
-                out += " checked" if e["checked"] else " unchecked"
-            elif e["value"]:
-                out += f" = '{e['value']}'"
-        elif e["kind"] in ("textarea", "textbox") and e["value"]:
-            out += f" = '{e['value']}'"
-        elif e["kind"] == "select":
-            out += f" = '{e['value']}' (options: {', '.join(e['options'])})"
-        if e["disabled"]:
-            out += " (disabled)"
-        return out

@@ -2,26 +2,40 @@
 
     agentwin doc FILE.pdf --question "Who keeps the lighthouse?"
     agentwin web http://127.0.0.1:8000/ --task "Find the opening hours" [--allow-host HOST ...]
-    agentwin video FILE.mp4 --question "What colour is the car?" --model tiny-qwen2.5-vl
+    agentwin video FILE.mp4 --question "What colour is the car?" --model Qwen/Qwen2.5-VL-3B-Instruct
 
-The model (`--model`: `smollm2`, the embedded SmolLM2-135M-Instruct, by default; `tiny-*` names,
-a local path or a hub name) decides every step through the window: it reads the observations'
-reused KV and replies with one JSON action. The window holds `--budget-tokens` tokens; older
-observations are evicted and recalled when seen again or asked for. At the end a summary table is
-printed (steps, evictions, recalls, reuse hits, work avoided, time saved, the answer); `--json
-FILE` writes it with every step, `--log FILE` appends each step as a JSON line while it runs.
-
-Exit status: 0 when the agent answered, 1 when it ran out of steps, 2 on bad input (a file that is
-not a PDF, an unreachable start page, a model that cannot read the observations).
+The model decides every step through the window: it reads the observations' reused KV and
+replies with one JSON action, decoded under the actions' JSON schema and stopped where the action
+closes. The window holds `--budget-tokens` tokens; older observations are evicted and recalled
+when seen again or asked for; an observation larger than the window is split into chunks, or cut
+(the step record says so). At the end every step and a summary are printed (steps, evictions,
+recalls, store hits, tokens forwarded by kind, wall time, the answer), each count summed from the
+steps; `--json FILE` writes them, `--log FILE` appends each step as a JSON line while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
+import textwrap
+import time
 from types import SimpleNamespace
 from typing import Any, Callable
+
+EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
+              "a file that is not a PDF or a video, an unreachable start page, a model that cannot be "
+              "loaded or cannot read the observations)")
+MODELS = ("models: smollm2 (default for doc and web) is the embedded SmolLM2-135M-Instruct, a real "
+          "text model. For page images, screenshots and video give a vision-language model: a local "
+          "path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (e.g. "
+          "Qwen/Qwen2.5-VL-3B-Instruct). The built-in tiny-* models have random weights: they "
+          "cannot read or answer and exist for tests (--allow-random-weights runs them anyway).")
+VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging Face id of a Qwen2-VL, "
+            "Qwen2.5-VL or Qwen3-VL checkpoint (e.g. Qwen/Qwen2.5-VL-3B-Instruct)")
 
 
 def rank_arg(text: str) -> int | None:
@@ -44,11 +58,13 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_window_arguments(parser: argparse.ArgumentParser, model: str, budget: int, max_steps: int,
+def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, budget: int, max_steps: int,
                          rank: str = "16") -> None:
     """The options every agent command shares."""
     group = parser.add_argument_group("model and window")
-    group.add_argument("--model", default=model, help=f"smollm2, a tiny-* name, a local path or a hub name (default {model})")
+    what = (f"smollm2, a local path or a Hugging Face id (default {model})" if model else
+            "a local path or Hugging Face id of a vision-language model (required)")
+    group.add_argument("--model", default=model, help=f"{what}; see below")
     group.add_argument("--budget-tokens", type=_positive, default=budget, help=f"window size in tokens (default {budget})")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
                        help=f"antecedent patch rank, or 'exact' (default {rank})")
@@ -56,26 +72,73 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str, budget: in
                        help="patch policy: origin (fitted at append), fresh (a pass per new antecedent), none (blind)")
     group.add_argument("--store", metavar="DIR", help="keep canonical KV and patches on disk in DIR, shared across runs")
     group.add_argument("--max-steps", type=_positive, default=max_steps, help=f"decisions before giving up (default {max_steps})")
-    group.add_argument("--max-new-tokens", type=_positive, default=48, help="tokens the model may write per decision (default 48)")
+    group.add_argument("--max-new-tokens", type=_positive, default=48,
+                       help="most tokens the model may write per decision; decoding stops earlier, where the "
+                            "action closes (default 48)")
     group.add_argument("--json", metavar="FILE", help="write the summary and every step to FILE")
     group.add_argument("--log", metavar="FILE", help="append each step to FILE as a JSON line while running")
-    group.add_argument("--quiet", action="store_true", help="no progress bars")
+    group.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _agent_arguments(parser: argparse.ArgumentParser, model: str | None, budget: int, max_steps: int) -> None:
+    add_window_arguments(parser, model, budget, max_steps)
+    parser.add_argument("--allow-random-weights", action="store_true",
+                        help="run a built-in tiny-* model although its weights are random (tests only)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = textwrap.fill(MODELS, 88) + "\n\n" + textwrap.fill(EXIT_CODES, 88)
+
+
+class _Quiet(io.StringIO):
+    """stderr while a model loads under --quiet: progress bars dropped, other lines kept."""
+
+    def lines(self) -> list[str]:
+        kept = []
+        for line in self.getvalue().replace("\r", "\n").splitlines():
+            if line.strip() and "it/s]" not in line and "%|" not in line and "s/it]" not in line:
+                kept.append(line)
+        return kept
 
 
 def load_model(name: str, progress: bool = True) -> Any:
-    """The KameraModel `name`, with a progress line; ValueError/OSError say what went wrong."""
-    from tqdm.auto import tqdm
-
+    """The KameraModel `name`; ValueError/OSError say what went wrong. With `progress`, a line
+    before and after (and the library's own bars on a terminal); without, no progress output."""
     from agentwin import KameraModel
 
-    bar = tqdm(total=1, desc=f"loading {name}", disable=not progress, leave=True,
-               bar_format="{desc}: {elapsed}{postfix}")
-    try:
+    if progress:
+        print(f"loading {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    if progress and sys.stderr.isatty():
         km = KameraModel.from_pretrained(name)
-    finally:
-        bar.update(1)
-        bar.close()
+    else:
+        captured = _Quiet()
+        try:
+            with contextlib.redirect_stderr(captured):
+                km = KameraModel.from_pretrained(name)
+        finally:
+            for line in captured.lines():
+                print(line, file=sys.stderr)
+    if progress:
+        print(f"loaded {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return km
+
+
+def model_kind(name: str) -> tuple[bool | None, bool]:
+    """(vision-language?, random weights?) of a model name without loading it: built-in names,
+    and local directories by their config.json; (None, False) when it cannot be told here."""
+    from agentwin.models.zoo import TINY
+
+    if name == "smollm2":
+        return False, False
+    if name in TINY:
+        return TINY[name].multimodal, True
+    config = os.path.join(name, "config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config) as fh:
+                return "vision_config" in json.load(fh), False
+        except (OSError, ValueError):
+            return None, False
+    return None, False
 
 
 def make_window(km: Any, args: argparse.Namespace) -> Any:
@@ -97,10 +160,18 @@ def steps_table(records: list) -> str:
     for r in records:
         action = "(start)" if r.step == 0 else json.dumps(r.action) if r.action else "(malformed)"
         notes = []
+        if getattr(r, "fitted", None):
+            notes.append(r.fitted)
         if r.evicted:
-            notes.append("evicted " + ", ".join(e.split(" (")[0] for e in r.evicted))
+            notes.append(f"evicted {getattr(r, 'evicted_chunks', len(r.evicted))} chunks of "
+                         + ", ".join(e.split(" (")[0] for e in r.evicted))
         if r.recalled:
-            notes.append("recalled " + ", ".join(e.split(" (")[0] for e in r.recalled))
+            notes.append(f"recalled {getattr(r, 'recalled_chunks', len(r.recalled))} chunks of "
+                         + ", ".join(e.split(" (")[0] for e in r.recalled))
+        if getattr(r, "store_hits", 0):
+            notes.append(f"{r.store_hits} store hits")
+        if getattr(r, "encoder_runs", 0) or getattr(r, "encoder_reused", 0):
+            notes.append(f"vision encoder {r.encoder_runs} runs, {r.encoder_reused} read back")
         if r.kl is not None:
             notes.append(f"KL {r.kl:.1e}")
         if r.error:
@@ -111,28 +182,47 @@ def steps_table(records: list) -> str:
     return "\n".join(lines)
 
 
-def run_agent(args: argparse.Namespace, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False) -> int:
-    """Load the model, open the environment, run the loop with the model deciding, report."""
+def _refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_agent(args: argparse.Namespace, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False,
+              check: Callable[[], None] | None = None) -> int:
+    """Check the input (`check`, raising EnvError) and the model name, load the model, open the
+    environment, run the loop with the model deciding, report."""
     from agents.base import EnvError
     from agents.loop import AgentLoop
     from agents.model import WindowDecider
 
+    if args.model is None:
+        return _refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
+    vlm, random_weights = model_kind(args.model)
+    if random_weights and not args.allow_random_weights:
+        return _refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "
+                       f"observations or answer, only exercise the code. "
+                       + (VLM_HINT[0].upper() + VLM_HINT[1:] if needs_vlm else
+                          "Use --model smollm2 (the embedded text model) or a local path / Hugging Face id")
+                       + "; --allow-random-weights runs it anyway (for tests)")
+    if needs_vlm and vlm is False:
+        return _refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
+    try:
+        if check is not None:
+            check()
+    except EnvError as err:
+        return _refuse(str(err))
     progress = not args.quiet
     try:
         km = load_model(args.model, progress)
     except (ValueError, OSError, FileNotFoundError) as err:
-        print(f"error: cannot load model {args.model!r}: {err}", file=sys.stderr)
-        return 2
+        return _refuse(f"cannot load model {args.model!r}: {err}")
     if needs_vlm and not getattr(km, "is_vlm", False):
-        print(f"error: {args.model} is a text-only model; this agent reads video frames and needs a "
-              "vision-language model (--model tiny-qwen2.5-vl, or a Qwen2/2.5/3-VL path)", file=sys.stderr)
-        return 2
+        return _refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
     try:
         window = make_window(km, args)
         env = make_env(km)
     except EnvError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _refuse(str(err))
     try:
         loop = AgentLoop(env, window, WindowDecider(args.max_new_tokens), task, max_steps=args.max_steps,
                          log_path=args.log, progress=progress)
@@ -159,32 +249,37 @@ def _doc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.pdf", help="the PDF to read")
     parser.add_argument("--question", required=True, help="what to find out from the document")
     parser.add_argument("--max-chars", type=_positive, default=1500, help="page text shown per observation (default 1500)")
-    add_window_arguments(parser, model="smollm2", budget=1024, max_steps=12)
+    _agent_arguments(parser, model="smollm2", budget=1024, max_steps=12)
 
 
 def _doc_run(args: argparse.Namespace) -> int:
     from agents.doc import PdfEnv
 
+    def check() -> None:
+        PdfEnv(args.file, max_chars=args.max_chars).close()
+
     return run_agent(args, args.question, lambda km: PdfEnv(
-        args.file, render=bool(getattr(km, "is_vlm", False)), max_chars=args.max_chars, progress=not args.quiet))
+        args.file, render=bool(getattr(km, "is_vlm", False)), max_chars=args.max_chars, progress=not args.quiet),
+        check=check)
 
 
 def _web_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", metavar="URL", help="the start page (http or https)")
     parser.add_argument("--task", required=True, help="what the agent should find out or do")
     parser.add_argument("--allow-host", action="append", metavar="HOST",
-                        help="a host the agent may visit (repeatable; '*.example.org' for subdomains); "
-                             "default: the start URL's host")
-    add_window_arguments(parser, model="smollm2", budget=2048, max_steps=12)
+                        help="another host the agent may visit besides the start URL's (repeatable; "
+                             "'*.example.org' for a domain and its subdomains)")
+    _agent_arguments(parser, model="smollm2", budget=2048, max_steps=12)
 
 
 def _web_run(args: argparse.Namespace) -> int:
-    from agents.web import BrowserEnv
+    from agents.web import BrowserEnv, check_reachable
 
     def make(km: Any) -> Any:
-        return BrowserEnv(args.url, allow_hosts=args.allow_host or None, screenshot=bool(getattr(km, "is_vlm", False)))
+        return BrowserEnv(args.url, allow_hosts=args.allow_host,
+                          screenshot=bool(getattr(km, "is_vlm", False)))
 
-    return run_agent(args, args.task, make)
+    return run_agent(args, args.task, make, check=lambda: check_reachable(args.url))
 
 
 def _video_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,17 +287,19 @@ def _video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question", required=True, help="what to find out from the video")
     parser.add_argument("--segment-seconds", type=float, default=4.0, help="seconds per segment chunk (default 4)")
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second (default 2, as qwen-vl-utils)")
-    add_window_arguments(parser, model="tiny-qwen2.5-vl", budget=4096, max_steps=16)
+    _agent_arguments(parser, model=None, budget=4096, max_steps=16)
 
 
 def _video_run(args: argparse.Namespace) -> int:
     from agents.video import VideoEnv
 
     if not args.segment_seconds > 0 or not args.fps > 0:
-        print("error: --segment-seconds and --fps must be positive", file=sys.stderr)
-        return 2
-    return run_agent(args, args.question, lambda km: VideoEnv(args.file, segment_seconds=args.segment_seconds,
-                                                              fps=args.fps), needs_vlm=True)
+        return _refuse("--segment-seconds and --fps must be positive")
+
+    def make(km: Any) -> Any:
+        return VideoEnv(args.file, segment_seconds=args.segment_seconds, fps=args.fps)
+
+    return run_agent(args, args.question, make, needs_vlm=True, check=lambda: make(None).close())
 
 
 def _doc(first_line: str) -> str:

@@ -14,9 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,25 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a question read after [A, B]; repeat for several")
     parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
-
-
-def load_text_model(name: str) -> tuple[Any, Any]:
-    """(model, tokenizer) in float32 with eager attention; refuses models Kamera cannot relocate."""
-    from kamera_core import rope_specs
-
-    if name == "smollm2":
-        from agentwin.models.zoo import load_smollm2
-
-        model, tokenizer = load_smollm2(torch.float32)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="eager").eval()
-    rope_specs(model.config)  # UnsupportedModelError (a ValueError) with the reason
-    if getattr(model.config, "vision_config", None) is not None:
-        raise ValueError(f"{name}: diagnose takes text chunks; vision-language models are measured through the Python API")
-    return model, tokenizer
 
 
 def _read(path: str, what: str) -> str:
@@ -59,11 +38,13 @@ def _read(path: str, what: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.bench_patches import BUDGETS, print_report, summarise, measure_texts
+    from agentwin.eval.harness import BUDGETS, measure_texts, print_report, summarise
 
     try:
         a_text, b_text = _read(args.a_file, "chunk A"), _read(args.b_file, "chunk B")
         print(f"loading {args.model} ...", flush=True)
+        from agentwin.models.zoo import load_text_model
+
         model, tokenizer = load_text_model(args.model)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -15,7 +15,7 @@ KINDS = ("doc", "web", "video")
 # Per kind: (window budget in tokens, step limit), as `agentwin doc | web | video` use by default.
 KIND_DEFAULTS = {"doc": (1024, 12), "web": (2048, 12), "video": (4096, 16)}
 COMMON_FIELDS = ("id", "kind", "source", "question", "task", "script", "max_steps", "budget_tokens",
-                 "max_new_tokens", "rank", "patch", "measure_prefill")
+                 "max_new_tokens", "rank", "patch")
 KIND_FIELDS = {"doc": ("max_chars",), "web": ("allow_hosts",), "video": ("segment_seconds", "fps")}
 PATCHES = ("origin", "fresh", "none")
 
@@ -103,10 +103,6 @@ def _check_option(name: str, value: Any) -> Any:
         if value not in PATCHES:
             raise TaskError(f'"patch" must be one of {", ".join(PATCHES)}, got {value!r}')
         return value
-    if name == "measure_prefill":
-        if not isinstance(value, bool):
-            raise TaskError(f'"measure_prefill" must be true or false, got {value!r}')
-        return value
     return _OPTION_CHECKS[name](value)
 
 
@@ -144,7 +140,7 @@ def parse_task(obj: Any, line: int = 0, base: str | os.PathLike | None = None) -
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id) == "":
         raise TaskError(f'"id" must be a non-empty string or an integer, got {raw_id!r}')
     source = _resolve_source(kind, obj.get("source"), None if base is None else Path(base))
-    options = {k: _check_option(k, v) for k, v in obj.items() if k in _OPTION_CHECKS or k in ("patch", "measure_prefill")}
+    options = {k: _check_option(k, v) for k, v in obj.items() if k in _OPTION_CHECKS or k == "patch"}
     script = _check_script(obj["script"]) if "script" in obj else None
     return Task(id=str(raw_id), kind=kind, source=source, question=question.strip(), line=line,
                 script=script, options=options)

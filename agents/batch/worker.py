@@ -35,7 +35,6 @@ class WorkerConfig:
     max_new_tokens: int = 48
     rank: int | None = 16
     patch: str = "origin"
-    measure_prefill: bool = False
 
 
 def open_task_store(location: str | None, model_fingerprint: str, tenant: str = "") -> Any:
@@ -147,15 +146,16 @@ class Worker:
         budget, steps = KIND_DEFAULTS[task.kind]
         if task.kind == "video" and not getattr(self.km, "is_vlm", False):
             raise BatchError(f"{cfg.model} is a text-only model; video tasks need a vision-language model "
-                             "(--model tiny-qwen2.5-vl, or a Qwen2/2.5/3-VL path)")
+                             "(--model with a local path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or "
+                             "Qwen3-VL checkpoint)")
         window = Window(self.km, budget_tokens=opt.get("budget_tokens", cfg.budget_tokens or budget),
                         patch=opt.get("patch", cfg.patch), rank=opt.get("rank", cfg.rank), store=self.store)
         decider = (ScriptedDecider(list(task.script)) if task.script is not None
                    else WindowDecider(opt.get("max_new_tokens", cfg.max_new_tokens)))
         env = make_env(task, self.km)
         try:
-            result = AgentLoop(env, window, decider, task.question, max_steps=opt.get("max_steps", cfg.max_steps or steps),
-                               measure_prefill=opt.get("measure_prefill", cfg.measure_prefill)).run()
+            result = AgentLoop(env, window, decider, task.question,
+                               max_steps=opt.get("max_steps", cfg.max_steps or steps)).run()
         finally:
             env.close()
         return result.summary, window.stats()
@@ -194,10 +194,7 @@ def _summary_fields(summary: Any, stats: Any) -> dict[str, Any]:
             "store_hits": summary.store_hits, "content_hits": summary.content_hits,
             "evictions": summary.evictions, "recalls": summary.recalls,
             "encoder_calls": summary.encoder_calls, "encoder_hits": summary.encoder_hits,
-            "encode_tokens_avoided": summary.encode_tokens_avoided,
-            "prefill_tokens_avoided": summary.prefill_tokens_avoided,
-            "malformed_replies": summary.malformed_replies, "refused_actions": summary.refused_actions,
-            "time_saved_s": summary.time_saved_s}
+            "malformed_replies": summary.malformed_replies, "refused_actions": summary.refused_actions}
 
 
 def _expected(err: BaseException) -> bool:

@@ -280,3 +280,20 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         if cached is not None:
             _save_converted(model, tokenizer, cached)
     return model.eval(), tokenizer
+
+
+def load_text_model(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 with eager attention; refuses models Kamera cannot relocate."""
+    from kamera_core import rope_specs
+
+    if name == "smollm2":
+        model, tokenizer = load_smollm2(torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="eager").eval()
+    rope_specs(model.config)  # UnsupportedModelError (a ValueError) with the reason
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError(f"{name}: diagnose takes text chunks; vision-language models are measured through the Python API")
+    return model, tokenizer

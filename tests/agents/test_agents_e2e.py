@@ -116,3 +116,11 @@ def test_video_loop_slides_over_segments_and_recalls_by_time_query_and_revisit(v
     assert calls[3] == 4 and calls[-1] == 4  # one Frames tower run per new segment, none for recalls
     assert all(abs(k) < 1e-4 for k in s.kl_at_recalls) and s.kl_at_recalls
     assert s.answer == "red, then green"
+    # The summary is the sum of the steps, and every eviction and tower run shows in a step.
+    stats = window.stats()
+    assert s.evictions == sum(x.evicted_chunks for x in r) == stats.evictions
+    assert all(bool(x.evicted) == bool(x.evicted_chunks) for x in r)
+    assert s.encoder_calls == sum(x.encoder_runs for x in r) == stats.encoder_calls
+    assert s.encoder_hits == sum(x.encoder_reused for x in r) == stats.encoder_hits
+    table = s.table()
+    assert f"{s.evictions} chunks in steps " in table and "saved" not in table and "avoided" not in table

@@ -56,6 +56,7 @@ def test_revisited_page_is_recalled_without_encoding_and_exact(tiny, pdf, monkey
                          fidelity_query=QUERY, on_step=lambda r: seen.append((r.step, len(encodes))))
         result = loop.run()
     records, summary = result.records, result.summary
+    forwarded = dict(window.stats().forward_tokens)  # before the checks below run forwards of their own
     assert [r.event for r in records] == ["append", "append", "append", "recall", "answer"]
     assert records[2].evicted == ["step 0 (page 1/4)"]
     revisit = records[3]
@@ -71,8 +72,13 @@ def test_revisited_page_is_recalled_without_encoding_and_exact(tiny, pdf, monkey
     reused, reference = window.next_token_logprobs(QUERY), window.reference_logprobs(QUERY)
     assert float((reused - reference).abs().max()) < 1e-4
     assert window.input_ids().numel() == window.tokens() <= budget
-    assert summary.prefill_s_per_token is not None and summary.time_saved_s == pytest.approx(
-        summary.prefill_s_per_token * summary.prefill_tokens_avoided)
+    # Every count of the summary is the sum over the steps, and the steps agree with the window.
+    stats = window.stats()
+    assert [r.evicted_chunks for r in records] == [0, 0, 1, 1, 0] and summary.evictions == stats.evictions == 2
+    assert summary.eviction_steps == [2, 3] and summary.recall_steps == [3]
+    assert summary.recalls == stats.recalls == 1 and summary.store_hits == sum(r.store_hits for r in records)
+    assert {k: v for k, v in summary.forward_tokens.items() if v} == {k: v for k, v in forwarded.items() if v}
+    assert not hasattr(summary, "time_saved_s") and not hasattr(summary, "prefill_tokens_avoided")
 
 
 def test_malformed_reply_gets_a_retry_message_then_the_loop_recovers(tiny, pdf):
@@ -144,11 +150,26 @@ def test_environment_failure_stops_the_run_with_its_message(tiny, pdf):
     assert result.summary.steps == 1 and result.records[1].error == "the document went away; open it again"
 
 
-def test_an_observation_larger_than_the_budget_is_a_clear_error(tiny, pdf):
-    with PdfEnv(pdf) as env:
-        result = AgentLoop(env, Window(tiny, budget_tokens=20), ScriptedDecider([]), "x").run()
-    assert result.summary.stopped.startswith("error: observation 'page 1/4' does not fit the window")
-    assert "raise --budget-tokens" in result.summary.stopped and result.summary.steps == 0
+def test_an_observation_larger_than_the_budget_is_split_and_cut_and_the_run_goes_on(tiny, tmp_path):
+    """A dense table-of-contents page (dot leaders) is far larger than the window: it is split into
+    chunks of at most half the window, what does not fit is cut, the step record says so, and the
+    run goes on to its answer (it used to stop with "chunk of N tokens exceeds budget_tokens")."""
+    toc = "Contents\n" + "\n".join(f"{i}. Section {i} " + "." * 60 + f" {i * 3}" for i in range(1, 24))
+    pdf = write_text_pdf(tmp_path / "manual.pdf", [toc, "The harbour master is Anja Roth. " * 5], width_chars=100)
+    budget = 400
+    with PdfEnv(pdf, max_chars=1500) as env:
+        assert int(tiny.tokenize(env._observe(1).text).numel()) > 2 * budget
+        window = Window(tiny, budget_tokens=budget, rank=None)
+        script = ScriptedDecider([{"action": "next"}, {"action": "previous"}, {"action": "answer", "text": "Anja Roth"}])
+        result = AgentLoop(env, window, script, "Who is the harbour master?", max_steps=4).run()
+    first, page2, back = result.records[:3]
+    assert result.summary.stopped == "answer" and first.event == "append" and len(first.chunks) == 2
+    assert "split into 2 chunks" in first.fitted and "tokens of text cut to fit the window of 400" in first.fitted
+    assert all(window.chunk_tokens(c) <= budget // 2 for c in first.chunks)
+    assert page2.evicted == ["step 0 (page 1/2)"] and back.event == "recall"  # the page came back whole
+    assert back.recalled_chunks == page2.evicted_chunks >= 1 and set(first.chunks) <= set(window.chunks())
+    assert result.summary.fitted_observations == 1
+    assert "1 observations split or cut to fit the window" in result.summary.table()
 
 
 def test_an_exhausted_script_says_so(tiny, pdf):
@@ -212,13 +233,11 @@ def _smollm2_session(km, pdf):
         window = Window(km, budget_tokens=budget, patch="origin", rank=None)
         script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
                                   {"action": "answer", "text": "-"}])
-        result = AgentLoop(env, window, script, "Who keeps the tide log?", fidelity_query=QUERY,
-                           measure_prefill=False).run()
+        result = AgentLoop(env, window, script, "Who keeps the tide log?", fidelity_query=QUERY).run()
         assert [r.event for r in result.records] == ["append", "append", "append", "recall", "answer"]
         assert abs(result.records[3].kl) < 1e-4 and result.summary.content_hits == 1
         decider = WindowDecider(max_new_tokens=16)
-        model_run = AgentLoop(env, window, decider, "Who keeps the tide log?", max_steps=2,
-                              measure_prefill=False).run()
+        model_run = AgentLoop(env, window, decider, "Who keeps the tide log?", max_steps=2).run()
     replies = [r.reply for r in model_run.records[1:]]
     assert replies and all(r.startswith('{"action": "') for r in replies)  # the primed reply
     assert model_run.summary.stopped in ("answer", "step limit")
@@ -284,7 +303,7 @@ def test_vlm_page_images_are_recalled_and_then_store_hits(tmp_path):
     # 3 pages x (image, text) at append, and the revisited page's two chunks read back at the
     # recall (an evicted chunk's KV lives in the store only)
     assert second.summary.encoder_calls == 0 and second.summary.store_hits == 8
-    assert second.summary.encode_tokens_avoided > 0
+    assert sum(r.store_hits for r in second.records) == 8 and second.records[3].store_hits == 2
     assert second.summary.answer == "-" and abs(second.records[3].kl) < 1e-4
 
 
@@ -298,7 +317,48 @@ def test_fidelity_check_sees_blind_reuse(tiny, pdf):
             window = Window(tiny, budget_tokens=budget, patch=patch, rank=rank)
             script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
                                       {"action": "answer", "text": "-"}])
-            result = AgentLoop(env, window, script, "x", fidelity_query=QUERY, measure_prefill=False).run()
+            result = AgentLoop(env, window, script, "x", fidelity_query=QUERY).run()
         kls[patch] = result.summary.kl_at_recalls[0]
         assert kls[patch] == pytest.approx(kl_to_reference(window, QUERY), abs=1e-9)
     assert abs(kls["origin"]) < 1e-4 and kls["none"] > 100 * max(abs(kls["origin"]), 1e-7)
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_step(tiny, pdf, capsys):
+    """stderr is not a terminal here (a log, a pipe): no bar redraws, no cursor moves."""
+    script = ScriptedDecider([{"action": "next"}, {"action": "answer", "text": "x"}])
+    with PdfEnv(pdf) as env:
+        AgentLoop(env, Window(tiny, budget_tokens=2000), script, "x", max_steps=3, progress=True).run()
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b[" not in err
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("doc step 1/3: next -> page 2/4, window ")
+    assert lines[1].startswith("doc step 2/3: answer, window ")
+
+
+def test_summary_lines_are_sums_of_the_step_records():
+    """Every count the summary prints comes from the steps: nothing is reported that no step
+    shows, and no saving is claimed (there is no baseline in a run)."""
+    from agents.records import StepRecord, summarize
+
+    records = [StepRecord(0, event="append", forward_tokens={"encode": 40}),
+               StepRecord(1, action={"action": "next"}, event="append", evicted=["step 0 (a)"], evicted_chunks=2,
+                          encoder_runs=1, forward_tokens={"encode": 30, "in_context": 30, "query": 90, "decode": 3}),
+               StepRecord(2, action={"action": "goto"}, event="recall", recalled=["step 0 (a)"], recalled_chunks=2,
+                          recalled_tokens=40, store_hits=2, encoder_reused=1, forward_tokens={"query": 95}),
+               StepRecord(3, action={"action": "fly"}, error="nope", error_kind="refused"),
+               StepRecord(4, reply="??", error="Your last reply could not be used: x", error_kind="malformed")]
+    s = summarize(records, env="doc", model="m", task="t", stopped="step limit", answer=None, window_tokens=70,
+                  budget_tokens=100, wall_s=1.5)
+    assert (s.evictions, s.eviction_steps, s.recalls, s.recall_steps) == (2, [1], 2, [2])
+    assert (s.store_hits, s.encoder_calls, s.encoder_hits, s.recalled_tokens) == (2, 1, 1, 40)
+    assert (s.content_hits, s.appended, s.observations, s.refused_actions, s.malformed_replies) == (1, 2, 3, 1, 1)
+    assert s.forward_tokens["query"] == 185 and sum(s.forward_tokens.values()) == 288
+    table = s.table()
+    assert "2 chunks in step 1" in table and "2 chunks (40 tokens) in step 2" in table
+    assert "encode 70, in_context 30, query 185, decode 3 (total 288)" in table
+    assert "1 runs, 1 outputs read back" in table
+    quiet = summarize(records[:1], env="doc", model="m", task="t", stopped="answer", answer="x", window_tokens=40,
+                      budget_tokens=100, wall_s=0.1).table()
+    assert "0 chunks\n" in quiet and "vision encoder" not in quiet
+    for claim in ("saved", "avoided", "relocation", "prefill"):
+        assert claim not in table and claim not in quiet

@@ -234,3 +234,26 @@ def test_start_url_that_cannot_load_is_an_env_error():
             browser.reset()
     finally:
         browser.close()
+
+
+def test_allow_hosts_add_to_the_start_host_and_refusals_state_the_fact():
+    browser = BrowserEnv("http://127.0.0.1:9/a.html", allow_hosts=["docs.example.org", "*.example.net", "127.0.0.1"])
+    assert browser.allow_hosts == ("127.0.0.1", "docs.example.org", "*.example.net")
+    assert browser.allowed("http://127.0.0.1:8000/x") and browser.allowed("https://a.example.net/")
+    url = browser.action_arguments()["goto"]["url"]["pattern"]  # what the model may write for a goto
+    assert all(re.fullmatch(url, u) for u in ("/b.html", "http://127.0.0.1:8000/x?q=1", "https://docs.example.org/",
+                                              "https://a.b.example.net/p"))
+    assert not any(re.fullmatch(url, u) for u in ("https://www.google.com/search?q=x", "b.html", "/" + "x" * 80,
+                                                  "file:///etc/hostname", "http://example.net.evil.test/"))
+    message = str(browser._refusal("http://elsewhere.test/"))
+    assert "not in the allow-list (127.0.0.1, docs.example.org, *.example.net)" in message
+    assert "stay on the allowed site" not in message
+
+
+def test_goto_without_a_url_suggests_a_link_of_this_page(env, site):
+    env.reset()
+    with pytest.raises(ActionError, match=r'goto needs "url", e\.g\. \{"action": "goto", "url": "/b\.html"\}'):
+        env.act({"action": "goto"})
+    env.act({"action": "goto", "url": "/long.html"})  # no links: the page itself
+    with pytest.raises(ActionError, match=r'"url": "/long\.html"'):
+        env.act({"action": "goto", "url": " "})

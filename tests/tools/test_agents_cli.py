@@ -5,17 +5,17 @@ import json
 import pytest
 
 from agents.doc import write_text_pdf
-from tools import cli
+from tools import agents_cli, cli
 
 
 def test_doc_command_runs_the_model_to_the_step_limit_and_reports(tmp_path, capsys):
-    """A random-weight tiny model cannot write JSON: every decision is malformed, the loop says so
-    to the model, stops at --max-steps and reports it (exit 1: no answer)."""
+    """A random-weight tiny model (allowed explicitly) cannot write JSON: every decision is
+    malformed, the loop says so to the model, stops at --max-steps and reports it (exit 1)."""
     pdf = write_text_pdf(tmp_path / "a.pdf", ["The harbour master is Anja Roth.", "The keeper is Tobias."])
     out, log = tmp_path / "run.json", tmp_path / "steps.jsonl"
     code = cli.main(["doc", str(pdf), "--question", "Who is the keeper?", "--model", "tiny-llama-gqa",
                      "--max-steps", "3", "--max-new-tokens", "4", "--budget-tokens", "400", "--rank", "exact",
-                     "--json", str(out), "--log", str(log), "--quiet"])
+                     "--json", str(out), "--log", str(log), "--quiet", "--allow-random-weights"])
     assert code == 1
     data = json.loads(out.read_text())
     s = data["summary"]
@@ -30,23 +30,98 @@ def test_doc_command_runs_the_model_to_the_step_limit_and_reports(tmp_path, caps
     assert "summary:" in printed and "stopped: step limit" in printed and "page 1/2" in printed
 
 
-def test_doc_command_refuses_a_file_that_is_not_a_pdf(tmp_path, capsys):
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Input checks must fail before any model is loaded: loading one fails the test."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+    monkeypatch.setattr(agents_cli, "load_model", load)
+
+
+def test_doc_command_refuses_a_file_that_is_not_a_pdf(tmp_path, capsys, no_model_load):
     notes = tmp_path / "notes.pdf"
     notes.write_text("not a pdf at all")
-    assert cli.main(["doc", str(notes), "--question", "q", "--model", "tiny-llama-gqa", "--quiet"]) == 2
+    assert cli.main(["doc", str(notes), "--question", "q", "--quiet"]) == 2
     assert "not a PDF (a PDF starts with '%PDF-'" in capsys.readouterr().err
 
 
-def test_video_command_needs_a_vision_language_model(tmp_path, capsys):
+def test_video_command_needs_a_vision_language_model(tmp_path, capsys, no_model_load):
     video = tmp_path / "v.mp4"
     video.write_bytes(b"\x00" * 16)
-    assert cli.main(["video", str(video), "--question", "q", "--model", "tiny-llama-gqa", "--quiet"]) == 2
-    assert "needs a vision-language model" in capsys.readouterr().err
+    assert cli.main(["video", str(video), "--question", "q", "--model", "smollm2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "smollm2 is a text-only model" in err and "Qwen2.5-VL" in err
+    assert cli.main(["video", str(video), "--question", "q", "--quiet"]) == 2  # no default model
+    err = capsys.readouterr().err
+    assert "needs a vision-language model" in err and "Hugging Face id" in err and "tiny" not in err
 
 
-def test_web_command_refuses_a_file_url(capsys):
-    assert cli.main(["web", "file:///etc/passwd", "--task", "read it", "--model", "tiny-llama-gqa", "--quiet"]) == 2
+def test_video_command_checks_the_file_before_loading_a_model(tmp_path, capfd, no_model_load):
+    video = tmp_path / "v.mp4"
+    video.write_text("a text file, not a video")
+    code = cli.main(["video", str(video), "--question", "q", "--model", "tiny-qwen2.5-vl",
+                     "--allow-random-weights", "--quiet"])
+    err = capfd.readouterr().err
+    assert code == 2 and "cannot read" in err and "as a video" in err
+    assert "video_reader.cc" not in err  # decord's own log line stays out of the output
+
+
+def test_random_weight_models_are_refused_unless_asked(tmp_path, capsys, no_model_load):
+    pdf = write_text_pdf(tmp_path / "a.pdf", ["x"])
+    assert cli.main(["doc", str(pdf), "--question", "q", "--model", "tiny-llama-gqa", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "random weights" in err and "cannot read" in err and "--allow-random-weights" in err
+    assert cli.main(["video", str(pdf), "--question", "q", "--model", "tiny-qwen2.5-vl", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "random weights" in err and "Qwen2.5-VL" in err and "Hugging Face id" in err
+
+
+@pytest.mark.parametrize("command", ["doc", "web", "video"])
+def test_help_gives_exit_codes_and_says_tiny_models_cannot_answer(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error" in text
+    assert "random weights: they cannot read or answer" in text and "Qwen2.5-VL" in text
+    assert "default tiny" not in text
+
+
+def test_web_command_refuses_a_file_url(capsys, no_model_load):
+    assert cli.main(["web", "file:///etc/passwd", "--task", "read it", "--quiet"]) == 2
     assert "is not an http(s) URL" in capsys.readouterr().err
+
+
+def test_web_command_checks_the_start_page_before_loading_a_model(capsys, no_model_load):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    assert cli.main(["web", f"http://127.0.0.1:{port}/", "--task", "t", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be reached (connection refused" in err
+
+
+def test_quiet_model_loading_prints_no_progress_bar(monkeypatch, capsys):
+    """The library's weight-loading bar is dropped under --quiet; other lines are kept."""
+    import sys
+
+    from agentwin import KameraModel
+
+    def fake(name):
+        sys.stderr.write("Loading weights:   0%|          | 0/272 [00:00<?, ?it/s]\r"
+                         "Loading weights: 100%|##########| 272/272 [00:00<00:00, 7549.65it/s]\n")
+        sys.stderr.write("UserWarning: something worth seeing\n")
+        return "model"
+
+    monkeypatch.setattr(KameraModel, "from_pretrained", staticmethod(fake))
+    assert agents_cli.load_model("smollm2", progress=False) == "model"
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "something worth seeing" in err and "loading" not in err
+    agents_cli.load_model("smollm2", progress=True)  # stderr is not a terminal here: plain lines, no bar
+    err = capsys.readouterr().err
+    assert "loading smollm2 ..." in err and "loaded smollm2 in" in err and "Loading weights" not in err
 
 
 def test_unknown_model_is_a_clear_error(tmp_path, capsys):

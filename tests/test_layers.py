@@ -1,0 +1,81 @@
+"""The layering rules of docs/DESIGN.md, checked on the source: which package may import which,
+transformers only where models are wrapped (and in the evaluation package), and no private name
+(leading underscore) imported from another package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kamera_core", "agentwin", "agents", "tools")
+# Which top-level packages each may import (besides itself and third-party libraries).
+MAY_IMPORT = {
+    "kamera_core": set(),
+    "agentwin": {"kamera_core"},
+    "agents": {"agentwin", "kamera_core"},
+    "tools": {"agentwin", "agents", "kamera_core"},
+}
+TRANSFORMERS_ALLOWED = ("agentwin/models/", "agentwin/eval/")
+# The evaluation package sits above the agents (it replays their traces); nothing else in
+# agentwin may import it or the agents, and the agents may not import it.
+EVAL = "agentwin/eval/"
+
+
+def _sources() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, imported names, line) of every import in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            out.append((module, [alias.name for alias in node.names], node.lineno))
+    return out
+
+
+def _subpackage(module: str) -> str:
+    """The unit the private-name rule is about: `agentwin.models`, `agentwin.eval`, `agents`, ..."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "agentwin" and len(parts) > 2 else parts[0]
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_import_rules(path):
+    rel = path.relative_to(ROOT).as_posix()
+    own = rel.split("/")[0]
+    own_unit = _subpackage(".".join(Path(rel).with_suffix("").parts))
+    problems = []
+    for module, names, line in _imports(path):
+        top = module.split(".")[0]
+        allowed = MAY_IMPORT[own] | ({"agents"} if rel.startswith(EVAL) else set())
+        if top in PACKAGES and top != own and top not in allowed:
+            problems.append(f"line {line}: {own} may not import {module}")
+        if module.startswith("agentwin.eval") and not rel.startswith((EVAL, "tools/")):
+            problems.append(f"line {line}: only tools/ may import the evaluation package ({module})")
+        if top == "transformers" and not rel.startswith(TRANSFORMERS_ALLOWED):
+            problems.append(f"line {line}: transformers imported outside agentwin/models and agentwin/eval")
+        if top in PACKAGES and _subpackage(module + ".x") != own_unit:
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            private += [p for p in module.split(".") if p.startswith("_") and not p.startswith("__")]
+            if private:
+                problems.append(f"line {line}: private {private} imported from {module}")
+    assert not problems, f"{rel}:\n" + "\n".join(problems)
+
+
+def test_the_rules_see_the_imports():
+    """The checker finds imports at all (an empty scan would pass every file)."""
+    found = _imports(ROOT / "agentwin" / "window.py")
+    assert any(m == "agentwin.models.adapter" and "KameraModel" in n for m, n, _ in found)
+    assert len(_sources()) > 50

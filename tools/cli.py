@@ -13,6 +13,8 @@
     agentwin bench window --json FILE       window operations: blind vs rank-16 vs exact patches
     agentwin bench eval [--quick]           every reuse method on one harness; writes docs/RESULTS.md
     agentwin bench fleet --json FILE        a pool of agent workers: shared store vs private stores
+    agentwin bench steps --json FILE        agent step time: the model's forwards vs everything else
+    agentwin bench trace --json FILE        agent traces: re-prefill vs prefix cache vs streaming vs agentwin (docs/results/TRACE.md)
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
 
 """
@@ -35,7 +37,8 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
-    from tools import batch_cli, bench_fleet
+    from tools import batch_cli, bench_fleet, bench_steps
+    from tools import bench_trace
     from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(kinds, "eval", bench_eval, "Kamera vs blind, CacheBlend, EPIC, VLCache: accuracy and KL per byte and per compute (docs/RESULTS.md)")
     _command(kinds, "recall", bench_recall, "time from recall of an evicted chunk to the first token vs re-prefill and blind reuse")
     _command(kinds, "fleet", bench_fleet, "agent workers with one shared store vs a private store each: encodes, hit rate, wall time")
+    _command(kinds, "trace", bench_trace, "agent traces through re-prefill, prefix caching, streaming and agentwin: tokens, fidelity")
+    _command(kinds, "steps", bench_steps, "median agent step time on SmolLM2, the model's forwards vs everything else")
     _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")
     _command(sub, "diagnose", diagnose, "the deficit of chunk B after chunk A, per layer, and what patches recover")
     return parser

@@ -258,7 +258,7 @@ class KameraModel:
     def encode(self, chunk: ChunkInput, features: Features | None = None) -> list[LayerKV]:
         """KV of the chunk alone in its chunk-local frame (start 0); owned contiguous copies."""
         cache = self.cache()
-        self.forward(chunk, 0, cache, features)
+        self.forward(chunk, 0, cache, features, logits_to_keep=1)  # KV is the product: one row of logits
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def key_summary(self, ids: torch.Tensor) -> torch.Tensor:
@@ -271,7 +271,7 @@ class KameraModel:
         """KV of `chunk` placed at `start` (position units) and token index `first`, read after
         the segments (the in-context or conditioned pass); owned contiguous copies at `start`."""
         cache = self.cache(segments_per_layer, first)
-        self.forward(chunk, start, cache, features)
+        self.forward(chunk, start, cache, features, logits_to_keep=1)
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def query_logits(self, cache: Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:

@@ -1,46 +1,13 @@
 """`agentwin bench fleet`: a pool of agent workers with one shared store vs a private store each.
 
-The workload: `--docs` PDFs written here (3 pages each, distinct text) and `--tasks` document
-tasks over them, round robin, so every PDF is read by several tasks. Each task replays a fixed
-script (next, next, goto 1, answer) through `agents.batch` with `agents.model.ScriptedDecider`:
-both runs do the same navigation, and every encode and forward is the model's real work. The
-default model is the real SmolLM2 with 12 tasks over 3 PDFs; `--quick` uses tiny-llama-gqa and
-6 tasks.
-
-The same tasks run twice on `--workers` spawned worker processes (each loads the model once,
-`--threads` torch threads each, the same on both sides):
-- shared: every worker opens the same store: `--store redis://...` (a fresh tenant per run, so
-  the server starts cold for this run) or, without --store, one directory;
-- private: every worker has its own directory store (nothing is shared between workers).
-
-Figures (JSON with `--json FILE`):
-- encodes_shared / encodes_private: canonical encodes summed over tasks, from each task's window
-  stats (`stats.forwards["encode"]`); `distinct_chunks` is the number of different pages, the
-  least any run must encode;
-- remote_hit_rate: with Redis, remote hits / (remote hits + remote misses) of the shared run (the
-  store's counters, summed over tasks); with a directory, the shared directory's hit rate for
-  canonical KV instead: store hits / (store hits + encodes) (`hit_rate_kind` says which);
-- wall_s_shared / wall_s_private: from the moment every worker is ready (tasks are held until
-  then) to the last result; model loading is reported apart as startup_s_*;
-- remote_get_mb_s: read throughput of the shared tier on this machine: `--get-entries` entries of
-  `--get-entry-mb` MiB are put, then a fresh store object (empty RAM tier) times `store.get` of
-  each; with a directory this reads local files (likely from the page cache; `get_tier` says so);
-- the load average before and after each run (other work on the machine slows both runs).
+The workload, the two runs and the figures are described in `agentwin.eval.fleet_bench`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-import time
-import uuid
-from pathlib import Path
-from typing import Any
-
-DOC_TOPICS = ("harbour", "observatory", "orchard", "railway", "library", "mill")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,212 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _check(args: argparse.Namespace) -> str | None:
-    if not 2 <= args.workers <= 4:
-        return f"--workers must be 2 to 4, got {args.workers}"
-    for name in ("tasks", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name} must be >= 1, got {value}"
-    if not 1 <= args.docs <= len(DOC_TOPICS):
-        return f"--docs must be 1 to {len(DOC_TOPICS)}, got {args.docs}"
-    if args.get_entries < 1 or not args.get_entry_mb > 0:
-        return "--get-entries and --get-entry-mb must be positive"
-    if args.store is not None and not args.store.startswith(("redis://", "rediss://")):
-        return f"--store must be a redis:// or rediss:// URL, got {args.store!r} (without it a shared directory is used)"
-    return None
-
-
-# ---- the workload ---------------------------------------------------------------------------
-
-def doc_pages(index: int, quick: bool) -> list[str]:
-    """Three pages of generated prose about topic `index` (shorter with quick: the tiny model
-    reads bytes)."""
-    topic = DOC_TOPICS[index]
-    facts = 3 if quick else 10
-    pages = []
-    for page in range(1, 4):
-        lines = [f"The {topic} report, page {page}."]
-        lines += [f"Entry {page}.{k}: the {topic} keeps ledger {index * 100 + page * 10 + k} in cabinet "
-                  f"{(k * 7 + page) % 13}, checked by clerk number {(index + 3) * (k + 1) + page}." for k in range(facts)]
-        pages.append(" ".join(lines))
-    return pages
-
-
-def write_workload(folder: Path, tasks: int, docs: int, quick: bool) -> list[Any]:
-    """Write the PDFs into `folder` and return the tasks (round robin over the PDFs)."""
-    from agents.batch import Task
-    from agents.doc import write_text_pdf
-
-    pdfs = [write_text_pdf(folder / f"{DOC_TOPICS[i]}.pdf", doc_pages(i, quick)) for i in range(docs)]
-    out = []
-    for t in range(tasks):
-        d = t % docs
-        script = [{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
-                  {"action": "answer", "text": f"{DOC_TOPICS[d]} task {t}"}]
-        out.append(Task(id=f"t{t:02d}", kind="doc", source=str(pdfs[d]), question=f"Which ledger is in cabinet {t % 13}?",
-                        script=tuple(json.dumps(s) for s in script), options={"max_steps": 6}))
-    return out
-
-
-# ---- the runs -------------------------------------------------------------------------------
-
-def run_fleet(tasks: list[Any], model: str, workers: int, threads: int, store: str, private: bool, tenant: str,
-              label: str, progress: bool) -> dict[str, Any]:
-    """One run of `tasks` on spawned workers; its records, totals and times."""
-    from tqdm.auto import tqdm
-
-    from agents.batch import WorkerConfig, run_batch, summarize
-
-    config = WorkerConfig(model=model, store=store, private=private, tenant=tenant, threads=threads)
-    bar = tqdm(total=len(tasks), desc=f"{label}: starting workers", unit="task", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-    load_before = os.getloadavg()
-
-    def on_result(record: dict[str, Any]) -> None:
-        bar.set_description_str(label)
-        bar.update(1)
-
-    try:
-        outcome = run_batch(tasks, config, workers=workers, backend="processes", on_result=on_result,
-                            wait_for_workers=True)
-    finally:
-        bar.close()
-    total = summarize(outcome.records)
-    if total["failed"]:
-        first = next(r for r in outcome.records if r.get("error"))
-        raise RuntimeError(f"{label} run: {total['failed']} task(s) failed, e.g. {first['id']}: {first['error']}")
-    return {"total": total, "records": outcome.records, "workers": outcome.workers,
-            "startup_s": outcome.startup_s, "wall_s": outcome.wall_s - outcome.startup_s,
-            "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
-
-
-def hit_rate(run: dict[str, Any], redis: bool) -> tuple[float | None, str]:
-    """(rate, what it is) of a shared run; see the module docstring."""
-    if redis:
-        store = run["total"]["store"]
-        hits, misses = store.get("remote_hits", 0), store.get("remote_misses", 0)
-        return (hits / (hits + misses) if hits + misses else None,
-                "redis remote tier: remote hits / (remote hits + remote misses), summed over tasks")
-    hits, encodes = run["total"]["store_hits"], run["total"]["encodes"]
-    return (hits / (hits + encodes) if hits + encodes else None,
-            "shared directory (no Redis): canonical KV served by the store / (served + encoded)")
-
-
-def measure_get(location: str, fingerprint: str, entries: int, entry_mb: float) -> dict[str, Any]:
-    """Put `entries` entries of `entry_mb` MiB, then time `get` of each from a fresh store object."""
-    import torch
-
-    from agents.batch import open_task_store
-    from agentwin.store import ChunkKey
-
-    tenant = f"fleet-get-{uuid.uuid4().hex[:8]}"
-    numel = max(1, int(entry_mb * (1 << 20)) // 2)
-    keys = [ChunkKey.of(fingerprint, "text", [i, 7, 7], tenant=tenant) for i in range(entries)]
-    writer = open_task_store(location, fingerprint, tenant)
-    try:
-        for i, key in enumerate(keys):
-            writer.put(key, {"kv": torch.full((numel,), float(i), dtype=torch.float16)}, {"bench": "fleet"})
-    finally:
-        getattr(writer, "close", lambda: None)()
-    reader = open_task_store(location, fingerprint, tenant)
-    got, seconds = 0, 0.0
-    try:
-        for key in keys:
-            t0 = time.perf_counter()
-            hit = reader.get(key)
-            seconds += time.perf_counter() - t0
-            if hit is None:
-                raise RuntimeError(f"remote_get_mb_s: entry {key} written a moment ago is missing from {location}")
-            got += sum(t.numel() * t.element_size() for t in hit[0].values())
-        for key in keys:
-            reader.delete(key)
-    finally:
-        getattr(reader, "close", lambda: None)()
-    return {"mb_s": got / (1 << 20) / seconds, "entries": entries, "entry_mb": entry_mb, "seconds": seconds}
-
-
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Both runs and the get throughput; the figures as a dict."""
-    from agents.batch import redact
-
-    model = args.model or ("tiny-llama-gqa" if args.quick else "smollm2")
-    n_tasks = args.tasks or (6 if args.quick else 12)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    redis = args.store is not None
-    with tempfile.TemporaryDirectory(prefix="agentwin-fleet-") as tmp:
-        folder = Path(tmp)
-        tasks = write_workload(folder, n_tasks, args.docs, args.quick)
-        shared_location = args.store or str(folder / "shared")
-        tenant = f"fleet-{uuid.uuid4().hex[:8]}-" if redis else ""
-        progress = not args.quiet
-        shared = run_fleet(tasks, model, args.workers, threads, shared_location, False, tenant, "shared store", progress)
-        private = run_fleet(tasks, model, args.workers, threads, str(folder / "private"), True, "", "private stores",
-                            progress)
-        fingerprint = shared["workers"][0]["fingerprint"]
-        get = measure_get(shared_location, fingerprint, args.get_entries, args.get_entry_mb)
-    rate, kind = hit_rate(shared, redis)
-    return {
-        "benchmark": "fleet", "model": model, "quick": bool(args.quick), "workers": args.workers,
-        "threads_per_worker": threads, "cpu_count": os.cpu_count(), "tasks": n_tasks, "docs": args.docs,
-        "distinct_chunks": args.docs * 3,
-        "shared_store": redact(args.store) if redis else "a directory on local disk shared by the workers",
-        "private_store": "a directory per worker",
-        "encodes_shared": shared["total"]["encodes"], "encodes_private": private["total"]["encodes"],
-        "remote_hit_rate": rate, "hit_rate_kind": kind,
-        "store_hits_shared": shared["total"]["store_hits"], "store_hits_private": private["total"]["store_hits"],
-        "forwards_shared": shared["total"]["forwards"], "forwards_private": private["total"]["forwards"],
-        "wall_s_shared": shared["wall_s"], "wall_s_private": private["wall_s"],
-        "startup_s_shared": shared["startup_s"], "startup_s_private": private["startup_s"],
-        "tasks_per_worker_shared": _per_worker(shared["records"]), "tasks_per_worker_private": _per_worker(private["records"]),
-        "remote_get_mb_s": get["mb_s"], "get_entries": get["entries"], "get_entry_mb": get["entry_mb"],
-        "get_tier": (f"redis ({redact(args.store)})" if redis else
-                     "directory: local disk tier, files likely in the page cache (not a network tier)"),
-        "loadavg": {"shared": [shared["loadavg_before"], shared["loadavg_after"]],
-                    "private": [private["loadavg_before"], private["loadavg_after"]]},
-        "answers_agree": _answers(shared["records"]) == _answers(private["records"]),
-    }
-
-
-def _per_worker(records: list[dict[str, Any]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in records:
-        out[str(r.get("worker"))] = out.get(str(r.get("worker")), 0) + 1
-    return dict(sorted(out.items()))
-
-
-def _answers(records: list[dict[str, Any]]) -> dict[str, Any]:
-    return {r["id"]: r.get("answer") for r in records}
-
-
-def format_table(r: dict[str, Any]) -> str:
-    rate = "n/a" if r["remote_hit_rate"] is None else f"{r['remote_hit_rate']:.2f}"
-    rows = [
-        ("model / workers x threads", f"{r['model']} / {r['workers']} x {r['threads_per_worker']}"),
-        ("tasks over documents", f"{r['tasks']} over {r['docs']} PDFs ({r['distinct_chunks']} distinct pages)"),
-        ("encodes shared / private", f"{r['encodes_shared']} / {r['encodes_private']}"),
-        ("hit rate (shared)", f"{rate} ({r['hit_rate_kind']})"),
-        ("tasks wall s shared / private", f"{r['wall_s_shared']:.2f} / {r['wall_s_private']:.2f} "
-                                          f"(+ startup {r['startup_s_shared']:.1f} / {r['startup_s_private']:.1f})"),
-        ("shared tier get", f"{r['remote_get_mb_s']:.0f} MiB/s ({r['get_entries']} x {r['get_entry_mb']:g} MiB; "
-                            f"{r['get_tier']})"),
-        ("load average (1 min) before", f"shared {r['loadavg']['shared'][0][0]:.2f}, private {r['loadavg']['private'][0][0]:.2f}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
 def run(args: argparse.Namespace) -> int:
-    problem = _check(args)
+    from agentwin.eval import fleet_bench
+
+    problem = fleet_bench.check(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        results = measure(args)
+        results = fleet_bench.measure(args)
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(format_table(results))
+    print(fleet_bench.format_table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)

@@ -12,7 +12,7 @@ raises `TaskFileError`. Relative sources are resolved against the task file's fo
 
 Per-task fields: id (default "line N"), kind (doc | web | video), source (a path, or a URL for
 web), question or task, and optionally max_steps, budget_tokens, max_new_tokens, rank (N or
-"exact"), patch (origin | fresh | none), measure_prefill (bool), max_chars (doc), allow_hosts
+"exact"), patch (origin | fresh | none), max_chars (doc), allow_hosts
 (web), segment_seconds and fps (video), and script: a list of actions (dicts or JSON strings)
 replayed by `agents.model.ScriptedDecider` instead of the model's own decisions; the model still
 encodes every observation, so encodes, forwards and store hits are real.
@@ -31,6 +31,7 @@ This package imports no tensors library at import time (the worker imports the m
 Modules: `tasks` (task records, parsing and checks, errors), `worker` (`WorkerConfig`, `Worker`),
 `executors` (inline / process / Ray pools, `make_pool`), `runner` (`Scheduler`, `run_batch`,
 `BatchOutcome`, `summarize`). Every name is re-exported here: import from `agents.batch`.
+`cli` (the `agentwin batch` command's run) is not re-exported.
 """
 
 from agents.batch.tasks import (COMMON_FIELDS, KIND_DEFAULTS, KIND_FIELDS, KINDS, PATCHES, BatchError, Task, TaskError,

@@ -1,8 +1,6 @@
-"""The evaluation harness against the transformers models' own forward: recomputing tokens with
-the model's decoder layers over a cache of reused KV reproduces the full prefill when every
-reused token is recomputed (text GQA, Qwen2.5-VL M-RoPE, Qwen3-VL deepstack), each method costs
-what it says, full-rank Kamera patches reproduce the re-prefill's logits, and `agentwin bench
-eval --quick` writes the page end to end."""
+"""`agentwin bench eval`: option checks, and `--quick` writes the page, the JSON and the plots end
+to end with the protocol visible in its output (validation and test splits, settings chosen on
+validation, one-time compute charged)."""
 
 from __future__ import annotations
 
@@ -11,232 +9,70 @@ import json
 import math
 
 import pytest
-import torch
 
-from agentwin.models.zoo import build_tiny
-from tools import bench_eval as be
-from tools import eval_kamera as ek
-from tools import eval_methods as em
-
-TOL = 1e-4
+from tools import bench_eval
 
 
-def _max_diff(a, b) -> float:
-    return max(float((x - y).abs().max()) for (k1, v1), (k2, v2) in zip(a, b) for x, y in ((k1, k2), (v1, v2)))
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    bench_eval.add_arguments(parser)
+    return parser.parse_args(argv)
 
 
-def _text_context(name="tiny-llama-gqa"):
-    model = build_tiny(name)
-    g = torch.Generator().manual_seed(0)
-    chunks = [em.text_chunk(torch.randint(3, 240, (n,), generator=g)) for n in (13, 23, 17)]
-    return em.build_context(model, chunks, [torch.randint(3, 240, (5,), generator=g)], greedy=3)
-
-
-def _vl_context(name):
-    model = build_tiny(name)
-    chunks = [em.random_text_chunk(model, 1, 12), em.image_chunk(model, 2), em.random_text_chunk(model, 3, 9),
-              em.image_chunk(model, 4, kind="frame")]
-    return em.build_context(model, chunks, [torch.randint(3, 240, (5,), generator=torch.Generator().manual_seed(5))])
-
-
-@pytest.fixture(scope="module", params=["tiny-llama-gqa", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
-def ctx(request):
-    return _text_context() if request.param == "tiny-llama-gqa" else _vl_context(request.param)
-
-
-def test_recomputing_every_reused_token_reproduces_the_prefill(ctx):
-    blind = em.method_blind(ctx).kv
-    assert _max_diff(blind, ctx.full_kv) > 1e-3  # the reused chunks' KV does depend on context here
-    everything = torch.arange(ctx.bounds[1][0], ctx.length)
-    kv, counts = em.recompute(ctx.model, ctx.cap, blind, everything)
-    assert counts == [ctx.reused_tokens()] * len(kv)
-    assert _max_diff(kv, ctx.full_kv) <= TOL
-    for q, qpos in zip(ctx.queries, ctx.query_pos):
-        whole = em._join(ctx.model, [*ctx.chunks, em.text_chunk(q)])
-        dtype = next(ctx.model.parameters()).dtype
-        mm = {k: (v.to(dtype) if k == "pixel_values" else v) for k, v in whole.mm.items()}
-        with torch.no_grad():  # the model's own single forward of [context, query]
-            ref = ctx.model(input_ids=whole.ids[None], position_ids=em._pos_ids(whole.positions), **mm).logits[0, -1]
-        logits = em.query_logits(ctx.model, ctx.layout, kv, q, qpos)
-        assert float((logits - ref).abs().max()) <= TOL
-
-
-def test_recomputing_one_middle_chunk_sees_exact_rows_before_and_after(ctx):
-    """Only chunk 1 is reused (canonical); everything else is the prefill's KV. Recomputing chunk 1
-    alone restores the prefill exactly: its tokens must see the rows before them, and no rows of
-    later chunks (which sit in the cache too)."""
-    lo, hi = ctx.bounds[1]
-    mixed = []
-    blind = em.method_blind(ctx).kv
-    for (fk, fv), (bk, bv) in zip(ctx.full_kv, blind):
-        k, v = fk.clone(), fv.clone()
-        k[lo:hi], v[lo:hi] = bk[lo:hi], bv[lo:hi]
-        mixed.append((k, v))
-    assert _max_diff(mixed, ctx.full_kv) > 1e-3
-    kv, _ = em.recompute(ctx.model, ctx.cap, mixed, torch.arange(lo, hi))
-    assert _max_diff(kv, ctx.full_kv) <= TOL
-
-
-def test_partial_recompute_changes_only_the_selected_rows():
-    ctx = _text_context()
-    blind = em.method_blind(ctx).kv
-    res = em.method_epic(ctx, 4)
-    chosen = torch.cat([torch.arange(lo, lo + 4) for lo, _ in ctx.bounds[1:]])
-    others = torch.ones(ctx.length, dtype=torch.bool)
-    others[chosen] = False
-    for (k, v), (bk, bv), (fk, fv) in zip(res.kv, blind, ctx.full_kv):
-        assert torch.equal(k[others], bk[others]) and torch.equal(v[others], bv[others])
-    # The first reused chunk's first 4 tokens see only exact rows before them: they become exact.
-    lo = ctx.bounds[1][0]
-    assert _max_diff([(k[lo:lo + 4], v[lo:lo + 4]) for k, v in res.kv],
-                     [(k[lo:lo + 4], v[lo:lo + 4]) for k, v in ctx.full_kv]) <= TOL
-    assert res.token_layers == 4 * 2 * len(res.kv)
-
-
-def test_method_costs_and_kl_ordering():
-    ctx = _text_context()
-    layers, reused = len(ctx.full_kv), ctx.reused_tokens()
-    sizes = [hi - lo for lo, hi in ctx.bounds[1:]]
-    cb = em.method_cacheblend(ctx, 0.15)
-    deep = em.cacheblend_ratios(0.15, 30)  # SmolLM2's depth
-    assert deep[0] == 1.0 and deep[1] == pytest.approx(0.30) and deep[-1] == pytest.approx(0.15)
-    assert all(x >= y for x, y in zip(deep[1:], deep[2:]))  # the selection only narrows
-    ratios = em.cacheblend_ratios(0.15, layers)
-    assert cb.token_layers == reused + sum(min(n, max(1, round(r * n))) for r in ratios[1:] for n in sizes)
-    vl = em.method_vlcache(ctx, 0.05)  # text-only context: every reused chunk
-    assert vl.token_layers == layers * sum(math.ceil(0.05 * n) for n in sizes)
-    full = em.score(ctx, em.method_full(ctx), greedy=3)
-    blind = em.score(ctx, em.method_blind(ctx), greedy=3)
-    epic = em.score(ctx, em.method_epic(ctx, 32), greedy=3)  # k ≥ every chunk: everything recomputed
-    assert full["kl"] <= 1e-9 and full["greedy_same"] == 1.0 and full["compute_frac"] == 1.0
-    assert blind["kl"] > 1e-6 and blind["compute_frac"] == 0.0 and blind["bytes_frac"] == 0.0
-    assert epic["kl"] <= 1e-9 and epic["compute_frac"] == 1.0
-
-
-def test_cacheblend_narrows_its_selection_layer_by_layer():
-    from agentwin.models.zoo import tiny_config
-
-    cfg = tiny_config("tiny-llama-gqa")
-    cfg.num_hidden_layers = 6
-    model = build_tiny("tiny-llama-gqa", config=cfg)
-    g = torch.Generator().manual_seed(1)
-    chunks = [em.text_chunk(torch.randint(3, 240, (n,), generator=g)) for n in (12, 40, 30)]
-    ctx = em.build_context(model, chunks, [torch.randint(3, 240, (4,), generator=g)])
-    blind = em.method_blind(ctx).kv
-    res = em.method_cacheblend(ctx, 0.15)
-    ratios = em.cacheblend_ratios(0.15, 6)
-    reused = torch.arange(ctx.bounds[1][0], ctx.length)
-    previous = None
-    # Layer 0's values depend on the token alone (recomputing them changes nothing); from layer 1
-    # on, a recomputed row differs from its reused one.
-    for l, ((k, v), (bk, bv)) in list(enumerate(zip(res.kv, blind)))[1:]:
-        changed = set(int(i) for i in reused if not torch.equal(v[i], bv[i]))
-        want = sum(round(ratios[l] * (hi - lo)) for lo, hi in ctx.bounds[1:])
-        assert len(changed) == want, (l, len(changed), want)
-        if previous is not None:
-            assert changed <= previous  # a token dropped at one layer is not picked up again
-        previous = changed
-    assert ctx.bounds[0][1] == 12 and all(int(i) >= 12 for i in previous)
-
-
-def test_vlcache_recomputes_only_image_and_frame_chunks():
-    ctx = _vl_context("tiny-qwen2.5-vl")
-    res = em.method_vlcache(ctx, 0.05)
-    layers = len(ctx.full_kv)
-    want = sum(math.ceil(0.05 * (hi - lo)) for c, (lo, hi) in zip(ctx.chunks[1:], ctx.bounds[1:]) if c.kind != "text")
-    assert want > 0 and res.token_layers == want * layers
-
-
-@pytest.mark.parametrize("maker", [lambda: _text_context(), lambda: _vl_context("tiny-qwen3-vl")])
-def test_full_rank_kamera_patches_reproduce_the_reprefill(maker):
-    ctx = maker()
-    conds = [ek.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i]) for i in range(1, len(ctx.chunks))]
-    for method in ("kamera-svd", "kamera-query", "kamera-alloc"):
-        patches = [ek.patch_at(ek.patch_fits(c, method, ctx.layout.num_kv_heads), 10**9, "fp32") for c in conds]
-        res = ek.method_patched(ctx, method, "full", patches)
-        assert _max_diff(res.kv, ctx.full_kv) <= TOL, method
-        row = em.score(ctx, res)
-        assert row["kl"] <= 1e-8 and row["top1"] == 1.0
-    # A budget is respected, and a small patch still moves KL below blind reuse.
-    blind = em.score(ctx, em.method_blind(ctx))["kl"]
-    for method in ("kamera-svd", "kamera-alloc"):
-        budget = [int(0.12 * sum((k.numel() + v.numel()) * 2 for k, v in ctx.canonical[i])) for i in range(1, len(ctx.chunks))]
-        patches = [ek.fit_patch(c, method, b) for c, b in zip(conds, budget)]
-        assert all(p.nbytes <= b for p, b in zip(patches, budget))
-    alloc = em.score(ctx, ek.method_patched(ctx, "kamera-alloc", "12%", patches))
-    assert 0 < alloc["bytes_frac"] <= 0.12 and alloc["kl"] < blind
-
-
-@pytest.mark.parametrize("maker", [lambda: _text_context(), lambda: _vl_context("tiny-qwen2.5-vl")])
-def test_one_conditioned_pass_serves_every_chunk(maker):
-    ctx = maker()
-    shared = ek.conditionings(ctx.model, ctx.chunks, ctx.canonical)
-    for i in range(1, len(ctx.chunks)):
-        alone = ek.conditioning(ctx.model, ctx.chunks[:i], ctx.chunks[i], ctx.canonical[i])
-        assert _max_diff(shared[i - 1].deltas, alone.deltas) <= 1e-5
-        for q1, q2 in zip(shared[i - 1].queries, alone.queries):
-            assert float((q1 - q2).abs().max()) <= 1e-4 * max(1.0, float(q2.abs().max()))
-
-
-def test_orbit_deltas_average_over_orders():
-    ctx = _text_context()
-    members = [1, 2]
-    deltas = ek.orbit_deltas(ctx.model, [ctx.chunks[0]], [ctx.chunks[i] for i in members],
-                             [ctx.canonical[i] for i in members])
-    # In this context's own order the orbit deficit differs from the origin deficit (it averages
-    # two orders), but has its shape and is not zero.
-    origin = ek.conditioning(ctx.model, ctx.chunks[:2], ctx.chunks[2], ctx.canonical[2]).deltas
-    assert [tuple(d[0].shape) for d in deltas[1]] == [tuple(d[0].shape) for d in origin]
-    assert float(deltas[1][-1][0].abs().max()) > 0
-    assert _max_diff(deltas[1], origin) > 1e-6
-
-
-def test_unknown_patch_method_is_refused():
-    ctx = _text_context()
-    cond = ek.conditioning(ctx.model, ctx.chunks[:1], ctx.chunks[1], ctx.canonical[1])
-    with pytest.raises(ValueError, match="unknown patch method"):
-        ek.patch_fits(cond, "kamera-magic")
-    with pytest.raises(ValueError, match="queries"):
-        ek.patch_fits(cond.deltas, "kamera-query", 2)
-
-
-def test_summaries_state_the_gap_recovered():
-    rows = []
-    for seed, (full, blind, mine) in enumerate([(1.0, 0.5, 0.75), (0.9, 0.5, 0.9)]):
-        for method, acc in (("full", full), ("blind", blind), ("kamera-alloc", mine)):
-            for n in range(4):
-                rows.append({"seed": seed, "method": method, "setting": "", "correct": float(n < acc * 4),
-                             "kl": 0.0, "bytes_frac": 0.0, "compute_frac": 0.0, "seconds": 0.0,
-                             "build_seconds": 0.0, "budget": None})
-    s = {r["method"]: r for r in be.summarise_binding(rows)}
-    # seed 0: full 1.0, blind 0.5, method 0.75 -> 0.5; seed 1: full 1.0 (4/4 of 0.9*4=3.6 -> 4), blind 0.5, 0.9 -> 1.0
-    assert s["kamera-alloc"]["gap_per_seed"] == [0.5, 1.0]
-    assert s["kamera-alloc"]["gap"] == pytest.approx(0.75)
+def test_counts_must_be_positive(tmp_path, capsys):
+    assert bench_eval.run(_parse(["--binding-val-items", "0", "--results", str(tmp_path)])) == 2
+    assert "--binding-val-items must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path):
-    parser = argparse.ArgumentParser()
-    be.add_arguments(parser)
-    assert be.run(parser.parse_args(["--quick", "--results", str(tmp_path)])) == 0
+    assert bench_eval.run(_parse(["--quick", "--results", str(tmp_path)])) == 0
     page = (tmp_path / "RESULTS.md").read_text()
-    for heading in ("## Targets", "## 1. Multi-hop accuracy", "## 2. Fidelity on SmolLM2", "## 3. Multimodal"):
+    for heading in ("## Targets", "## Protocol", "## 1. Multi-hop accuracy", "### same-list", "### other-list",
+                    "## 2. Fidelity on SmolLM2", "### reorder", "## 3. Multimodal"):
         assert heading in page
+    assert "Generated by `agentwin bench eval --quick`" in page and "torch thread(s), load average" in page
     for name in ("eval_binding.png", "eval_smollm2_bytes.png", "eval_smollm2_compute.png", "eval_multimodal.png"):
         assert (tmp_path / "results" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     binding = json.loads((tmp_path / "results" / "eval_binding.json").read_text())
-    methods = {r["method"] for r in binding["summary"]}
-    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query", "kamera-query-int8",
-                       "kamera-alloc", "oracle"}
-    by = {r["method"]: r for r in binding["summary"]}
-    full = by["full"]
-    assert full["kl"] <= 1e-9 and full["items"] == 40
-    # Recomputing B's object tokens restores what blind reuse loses: the binding lives there.
-    assert by["oracle"]["acc"] >= full["acc"] - 0.05 > by["blind"]["acc"]
+    summ = binding["summary"]
+    assert {(s["split"], s["condition"]) for s in summ} == {(sp, c) for sp in ("validation", "test")
+                                                              for c in ("same-list", "other-list")}
+    methods = {s["method"] for s in summ}
+    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query",
+                       "kamera-query-int8", "kamera-alloc", "token-sparse", "oracle"}
+    for s in summ:
+        if s["method"] == "full":
+            assert s["kl"] <= 1e-9 and s["compute_frac"] == 1.0 and s["build_compute_frac"] == 0.0
+        elif s["method"].startswith("kamera") or s["method"] == "token-sparse":
+            assert s["compute_frac"] == 0.0 and s["build_compute_frac"] == pytest.approx(2.0)
+        else:
+            assert s["build_compute_frac"] == pytest.approx(1.0)
+    assert next(s for s in summ if s["split"] == "test" and s["method"] == "full")["n"] == 24
+    val = {(s["condition"], s["method"], s["setting"]): s for s in summ if s["split"] == "validation"}
+    assert binding["selected"]
+    for c in binding["selected"]:
+        v = val[(c["condition"], c["method"], c["setting"])]
+        assert v["acc"] == c["validation"]["acc"] and v[c["unit"]] <= c["cap"] + 1e-12
+        assert c["test"]["split"] == "test" and (c["test"]["method"], c["test"]["setting"]) == (c["method"], c["setting"])
+        # no other setting of the family within the cap did better on validation
+        rivals = [s for (cond, m, _), s in val.items() if cond == c["condition"] and s[c["unit"]] <= c["cap"] + 1e-12
+                  and (m.startswith("kamera") if c["family"] == "kamera" else m == c["family"])]
+        assert all(r["acc"] <= v["acc"] for r in rivals)
+
     smol = json.loads((tmp_path / "results" / "eval_smollm2.json").read_text())
-    assert {r["trace"] for r in smol["summary"]} == set(be.TRACES)
-    assert any(r["method"] == "kamera-orbit" for r in smol["summary"])
+    assert not set(smol["validation_seeds"]) & set(smol["test_seeds"])
+    assert {r["trace"] for r in smol["summary"]} == {"recall", "reorder", "slide"}
+    assert any(r["method"] == "kamera-orbit" and r["trace"] == "reorder" for r in smol["summary"])
     for r in smol["summary"]:
-        assert math.isfinite(r["kl"]) and 0 <= r["greedy_same"] <= 1
+        assert math.isfinite(r["kl"])
+        if r["split"] == "test":
+            assert 0 <= r["greedy_same"] <= 1
+        else:
+            assert "greedy_same" not in r
         if r["method"] == "full":
-            assert r["kl"] <= 1e-9 and r["greedy_same"] == 1.0
+            assert r["kl"] <= 1e-9 and (r["split"] == "validation" or r["greedy_same"] == 1.0)
+        if r["method"] == "kamera-orbit":
+            assert r["build_compute_frac"] == pytest.approx(1.0 + 5)
+    assert all(c["test"] is None or c["test"]["split"] == "test" for c in smol["selected"])

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tools import bench_fleet
+from agentwin.eval import fleet_bench
 from tools.cli import main
 
 FIELDS = ("encodes_shared", "encodes_private", "remote_hit_rate", "hit_rate_kind", "wall_s_shared", "wall_s_private",
@@ -42,9 +42,9 @@ def test_bad_options_are_refused(args, message, capsys):
 
 def test_hit_rate_by_tier():
     run = {"total": {"store": {"remote_hits": 3, "remote_misses": 1}, "store_hits": 6, "encodes": 2}}
-    assert bench_fleet.hit_rate(run, redis=True)[0] == 0.75
-    assert bench_fleet.hit_rate(run, redis=False) == (0.75, bench_fleet.hit_rate(run, redis=False)[1])
-    assert "remote hits" in bench_fleet.hit_rate(run, True)[1] and "directory" in bench_fleet.hit_rate(run, False)[1]
+    assert fleet_bench.hit_rate(run, redis=True)[0] == 0.75
+    assert fleet_bench.hit_rate(run, redis=False) == (0.75, fleet_bench.hit_rate(run, redis=False)[1])
+    assert "remote hits" in fleet_bench.hit_rate(run, True)[1] and "directory" in fleet_bench.hit_rate(run, False)[1]
     from agents.batch import redact
 
     assert redact("redis://u:secret@h:6379/0") == "redis://u:***@h:6379/0" and redact("/srv/kv") == "/srv/kv"

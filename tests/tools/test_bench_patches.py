@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tools import bench_patches as bp
-from tools.plots import plot_kl_vs_bytes
+from agentwin.eval import harness as bp
+from agentwin.eval.plots import plot_kl_vs_bytes
 
 
 @pytest.mark.slow

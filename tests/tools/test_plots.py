@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools import plots
+from agentwin.eval import plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

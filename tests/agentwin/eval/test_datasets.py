@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from tools import patch_texts
-from tools.patch_texts import Case, make_case
+from agentwin.eval import datasets as patch_texts
+from agentwin.eval.datasets import Case, make_case
 
 SEEDS = range(10)
 FIRST_NAMES = set(patch_texts.FEMALE_NAMES) | set(patch_texts.MALE_NAMES)

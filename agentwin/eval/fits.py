@@ -1,5 +1,5 @@
-"""Kamera's side of the evaluation harness (tools/eval_methods.py holds contexts, recompute
-anchors and scoring): the conditioned pass of each reused chunk, its deficit decomposed once per
+"""Kamera's side of the evaluation (`agentwin.eval.contexts` holds contexts,
+`agentwin.eval.baselines` the recompute anchors, `agentwin.eval.metrics` scoring): the conditioned pass of each reused chunk, its deficit decomposed once per
 method (plain SVD, K in the query second-moment metric, the byte-budget allocator, orbit
 averages over orders), truncation to any byte budget, and the patched KV of a context.
 """
@@ -13,11 +13,11 @@ from typing import Any, Sequence
 
 import torch
 
+from agentwin.eval.baselines import Result, placed_kv, with_canonical_build
+from agentwin.eval.contexts import Chunk, Context, first_position, forward_chunk, join_chunks, position_ids
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
 from kamera_core import kv_layout, patch as kp, rope_specs
-from tools.eval_methods import (Chunk, Context, Result, _first_position, _forward_chunk, _join, _pos_ids,
-                                placed_kv)
 
 KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-orbit")
 
@@ -35,13 +35,13 @@ class Conditioning:
 def conditioning(model: Any, prefix: Sequence[Chunk], chunk: Chunk, canonical: Sequence[LayerKV]) -> Conditioning:
     """Conditioned pass of [prefix, chunk] and the chunk's deficit in its chunk-local frame."""
     specs, layout = list(rope_specs(model.config)), kv_layout(model.config)
-    whole = _join(model, [*prefix, chunk])
+    whole = join_chunks(model, [*prefix, chunk])
     start = sum(len(c) for c in prefix)
     dtype = next(model.parameters()).dtype
     mm = {k: (v.to(dtype) if k == "pixel_values" else v) for k, v in whole.mm.items()}
     t0 = time.perf_counter()
-    cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=_pos_ids(whole.positions), **mm)
-    first = _first_position(whole.positions, start)
+    cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=position_ids(whole.positions), **mm)
+    first = first_position(whole.positions, start)
     local = relocate_kv(cp.chunk_kv(), specs, layout, -first)
     return Conditioning(kp.deficit(local, canonical), cp.queries, time.perf_counter() - t0)
 
@@ -53,18 +53,18 @@ def conditionings(model: Any, chunks: Sequence[Chunk], canonical: Sequence[Seque
     from kamera_core import relocate_keys
 
     specs, layout = list(rope_specs(model.config)), kv_layout(model.config)
-    whole = _join(model, chunks)
+    whole = join_chunks(model, chunks)
     start = len(chunks[0])
     dtype = next(model.parameters()).dtype
     mm = {k: (v.to(dtype) if k == "pixel_values" else v) for k, v in whole.mm.items()}
     t0 = time.perf_counter()
-    cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=_pos_ids(whole.positions), **mm)
+    cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=position_ids(whole.positions), **mm)
     seconds = time.perf_counter() - t0
-    base = _first_position(whole.positions, start)  # cp.queries are rotated back by this
+    base = first_position(whole.positions, start)  # cp.queries are rotated back by this
     out, lo = [], start
     for i in range(1, len(chunks)):
         hi = lo + len(chunks[i])
-        first = _first_position(whole.positions, lo)
+        first = first_position(whole.positions, lo)
         local = relocate_kv([(k[lo:hi], v[lo:hi]) for k, v in cp.kv], specs, layout, -first)
         queries = [q if layout.family == "mla" else
                    relocate_keys(q[lo - start:hi - start], spec, base - first, backend="torch")
@@ -142,33 +142,98 @@ def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, sto
     return patch_at(patch_fits(cond, method, num_kv_heads), budget_bytes, storage)
 
 
-def method_patched(ctx: Context, name: str, setting: str, patches: Sequence[kp.ChunkPatch | None],
-                   build_seconds: float = 0.0) -> Result:
-    """Canonical KV plus each reused chunk's patch (None: no patch), relocated."""
+@dataclass
+class SparseRows:
+    """The token-sparse baseline's stored correction for one chunk: the exact deficit rows of the
+    (layer, token) pairs with the largest deficit norm, fp16, with an int32 index each."""
+
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer (token index, ΔK rows, ΔV rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.numel() * 4 + dk.numel() * 2 + dv.numel() * 2 for i, dk, dv in self.rows)
+
+    def apply(self, kv: Sequence[LayerKV]) -> list[LayerKV]:
+        out = []
+        for (k, v), (idx, dk, dv) in zip(kv, self.rows):
+            k, v = k.clone(), v.clone()
+            k[idx] = (k[idx].float() + dk.float()).to(k.dtype)
+            v[idx] = (v[idx].float() + dv.float()).to(v.dtype)
+            out.append((k, v))
+        return out
+
+
+def sparse_rows(deltas: Sequence[tuple[torch.Tensor, torch.Tensor]], budget_bytes: int) -> SparseRows:
+    """Byte-matched token-sparse correction: rank every (layer, token) by ‖ΔK_row‖² + ‖ΔV_row‖²
+    and keep the exact deficit of the top rows while they fit in `budget_bytes`."""
+    norms, sizes = [], []
+    for dk, dv in deltas:
+        t = dk.shape[0]
+        norms.append(dk.reshape(t, -1).float().pow(2).sum(1) + dv.reshape(t, -1).float().pow(2).sum(1))
+        sizes.append(4 + 2 * (dk[0].numel() + dv[0].numel()))
+    flat = torch.cat(norms)
+    layer_of = torch.cat([torch.full((n.numel(),), l) for l, n in enumerate(norms)])
+    token_of = torch.cat([torch.arange(n.numel()) for n in norms])
+    order = torch.argsort(flat, descending=True, stable=True)
+    chosen: list[list[int]] = [[] for _ in deltas]
+    used = 0
+    for j in order.tolist():
+        l = int(layer_of[j])
+        if used + sizes[l] > budget_bytes:
+            break
+        used += sizes[l]
+        chosen[l].append(int(token_of[j]))
+    rows = []
+    for (dk, dv), picked in zip(deltas, chosen):
+        idx = torch.tensor(sorted(picked), dtype=torch.long)
+        rows.append((idx, dk[idx].to(torch.float16), dv[idx].to(torch.float16)))
+    return SparseRows(rows)
+
+
+def method_patched(ctx: Context, name: str, setting: str, patches: Sequence[kp.ChunkPatch | SparseRows | None],
+                   build_seconds: float = 0.0, build_token_layers: int = 0) -> Result:
+    """Canonical KV plus each reused chunk's correction (a low-rank patch or sparse rows; None:
+    none), relocated. The one-time cost given (conditioned passes and fits) is charged together
+    with the reused chunks' canonical encode."""
     t0 = time.perf_counter()
-    locals_ = [ctx.canonical[0]] + [ctx.canonical[i] if p is None else kp.apply_patch(ctx.canonical[i], p)
-                                    for i, p in enumerate(patches, start=1)]
+    locals_ = [ctx.canonical[0]]
+    for i, p in enumerate(patches, start=1):
+        if p is None:
+            locals_.append(ctx.canonical[i])
+        elif isinstance(p, SparseRows):
+            locals_.append(p.apply(ctx.canonical[i]))
+        else:
+            locals_.append(kp.apply_patch(ctx.canonical[i], p))
     kv = placed_kv(ctx, locals_)
     seconds = time.perf_counter() - t0
-    return Result(name, setting, kv, extra_bytes=sum(p.nbytes for p in patches if p is not None),
-                  seconds=seconds, build_seconds=build_seconds)
+    res = Result(name, setting, kv, extra_bytes=sum(p.nbytes for p in patches if p is not None),
+                 seconds=seconds, build_seconds=build_seconds, build_token_layers=build_token_layers)
+    return with_canonical_build(ctx, res)
 
 
-def orbit_deltas(model: Any, head: Sequence[Chunk], members: Sequence[Chunk], canonical: Sequence[Sequence[LayerKV]]
-                 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per member, its deficit averaged over every order of `members` read after `head`."""
+def orbit_deltas(model: Any, head: Sequence[Chunk], members: Sequence[Chunk], canonical: Sequence[Sequence[LayerKV]],
+                 leave_out: Sequence[int] | None = None) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per member, its deficit averaged over every order of `members` read after `head`, except
+    the order `leave_out` (a permutation of member indices; the order the patch will be scored
+    on, so the orbit patch never sees it)."""
     specs, layout = list(rope_specs(model.config)), kv_layout(model.config)
     per: list[list] = [[] for _ in members]
-    for order in itertools.permutations(range(len(members))):
+    for order in orbit_orders(len(members), leave_out):
         seq = [*head, *[members[i] for i in order]]
-        whole = _join(model, seq)
-        out = _forward_chunk(model, whole)
+        whole = join_chunks(model, seq)
+        out = forward_chunk(model, whole)
         kv = extract_kv(out.cache, layout)
         start = sum(len(c) for c in head)
         for i in order:
             n = len(members[i])
-            first = _first_position(whole.positions, start)
+            first = first_position(whole.positions, start)
             rows = [(k[start:start + n], v[start:start + n]) for k, v in kv]
             per[i].append(kp.deficit(relocate_kv(rows, specs, layout, -first), canonical[i]))
             start += n
     return [kp.orbit_deficit(d) for d in per]
+
+
+def orbit_orders(count: int, leave_out: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Every order of `count` members except `leave_out`."""
+    skip = None if leave_out is None else tuple(leave_out)
+    return [o for o in itertools.permutations(range(count)) if o != skip]

@@ -9,9 +9,8 @@ import math
 import random
 
 import pytest
-import torch
 
-from tools import binding as bd
+from agentwin.eval import binding as bd
 
 
 def test_tokenizer_round_trip_and_errors():
@@ -33,25 +32,49 @@ def test_kamera_model_wraps_the_tokenizer():
     assert km.tokenize("o3 it .").tolist() == bd.BindingTokenizer().encode("o3 it .")
 
 
-def test_items_bind_the_kth_it_to_the_kth_entity():
+def _listed(a_text: str) -> list[str]:
+    words = a_text.split()
+    i = words.index("members")
+    return words[i + 2: i + 2 * bd.MEMBERS + 1: 2]
+
+
+def _distances(item) -> set[int]:
+    a_words, b_words = ["<bos>"] + item.a.split(), item.b.split()
+    return {len(a_words) + b_words.index(o) - a_words.index(e) for e, o in zip(item.members, item.owned)}
+
+
+def test_items_bind_the_kth_it_to_the_kth_entity_with_claims_anywhere():
     rng = random.Random(5)
-    for _ in range(50):
+    leads, distances = set(), set()
+    for _ in range(400):
         item = bd.make_item(rng, num_questions=3)
         words = item.b.split()
         owned = [words[i - 1] for i, w in enumerate(words) if w == "it"]
         assert owned == list(item.owned) and not any(e in words for e in item.members)
-        assert item.a.split()[2::2] == list(item.members)
-        # every claim sits past the first 32 tokens of B, at one distance from its entity in A
-        a_words = ["<bos>"] + item.a.split()
-        for k, (entity, obj) in enumerate(zip(item.members, item.owned)):
-            distance = len(a_words) + words.index(obj) - a_words.index(entity)
-            assert words.index(obj) >= 32 and distance == len(a_words) + bd.PREFIX_WORDS - 3
+        assert _listed(item.a) == list(item.members)
+        assert words.index(item.owned[0]) == item.lead and 0 <= item.lead <= bd.LEAD_MAX
+        leads.add(item.lead)
+        distances |= _distances(item)
         for q, ans in zip(item.questions, item.answers):
-            entity = q.split()[1]
-            assert ans == item.owned[item.members.index(entity)]
+            assert ans == item.owned[item.members.index(q.split()[1])]
+    # The claims start anywhere from B's first token to past EPIC's 32 and VLCache's share: no
+    # fixed recompute budget is placed on them by construction. A closes with the balance of the
+    # filler, so every claim sits at one distance from its entity.
+    assert min(leads) == 0 and max(leads) == bd.LEAD_MAX and len(leads) > 50
+    assert distances == {bd.LEAD_MAX + 2 * bd.MEMBERS}
+    unbalanced = set()
+    for _ in range(100):
+        unbalanced |= _distances(bd.make_item(rng, layout=bd.UNBALANCED))
+    assert len(unbalanced) > 20
     aux = bd.make_item(random.Random(1), aux=True)
     words = aux.b.split()
     assert "it" not in words and [words[words.index(o) + 1] for o in aux.owned] == list(aux.members)
+
+
+def test_fixed_offset_layout_is_the_first_training_stage():
+    for _ in range(20):
+        item = bd.make_item(random.Random(_), layout=bd.FIXED_OFFSET)
+        assert item.lead == 36 and item.a.split()[0] == "members" and item.b.split()[-1] == "."
 
 
 def test_training_labels_cover_answers_and_auxiliary_entities_only():
@@ -71,8 +94,9 @@ def test_training_labels_cover_answers_and_auxiliary_entities_only():
             assert answer or reverse or named
             kinds.add("answer" if answer else "reverse" if reverse else "named")
             if answer or reverse:  # the answer is the one the item defines
-                members = words[3:words.index(".")][::2]
-                objects = [w for w in words[words.index(".") + 1:] if w in bd.OBJECTS][:bd.MEMBERS]
+                start = words.index("members")
+                members = words[start + 2: start + 2 * bd.MEMBERS + 1: 2]
+                objects = [w for w in words[start + 2 * bd.MEMBERS + 2:] if w in bd.OBJECTS][:bd.MEMBERS]
                 owner = lambda obj: members[objects.index(obj)]
                 assert (owner(words[i]) == words[i - 1]) if answer else (owner(words[i - 1]) == words[i])
     assert kinds == {"answer", "reverse", "named"}
@@ -89,13 +113,21 @@ def test_short_training_run_lowers_the_loss(tmp_path):
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
     record = bd.train(tmp_path, seed=0, steps=60, batch_size=16, lr=5e-3, warmup=5, eval_every=30,
                       log=lambda *_: None, threads=1, model_over=small)
-    losses = [row["loss"] for row in record["training"]["history"]]
+    losses = [row["loss"] for row in record["stages"][-1]["history"]]
     # Uniform guessing over the vocabulary costs ln(|V|); a model that has learned at least which
     # words can answer sits well below it.
     assert len(losses) == 2 and losses[1] < losses[0] - 0.1 and losses[1] < math.log(len(bd.VOCAB)) - 0.5
     model, tok = bd.load(tmp_path)
     assert model.config.num_hidden_layers == 2 and isinstance(tok, bd.BindingTokenizer)
     assert json.loads((tmp_path / "binding.json").read_text())["training"]["steps_done"] == 60
+    # A further stage starts from these weights and keeps the first stage's record.
+    more = bd.train(tmp_path / "stage2", seed=1, steps=4, batch_size=4, lr=1e-3, warmup=1, eval_every=4,
+                    log=lambda *_: None, threads=1, layout="fixed-offset", init=tmp_path)
+    assert [s["layout"] for s in more["stages"]] == ["variable", "fixed-offset"]
+    assert more["training"]["steps_done"] == 64 and more["stages"][1]["init"] == str(tmp_path)
+    assert "--init STAGE1" in (tmp_path / "stage2" / "README.md").read_text()
+    with pytest.raises(ValueError, match="layout"):
+        bd.train(tmp_path / "x", steps=1, layout="diagonal")
 
 
 def test_load_refuses_a_missing_checkpoint(tmp_path):

@@ -1,0 +1,187 @@
+"""The `agentwin batch` command: many agent tasks from a JSON Lines file on a pool of workers sharing
+one store: `run(args)` takes the parsed options and does the rest.
+
+    agentwin batch tasks.jsonl --workers 4 --store /srv/kv --out results.jsonl
+    agentwin batch tasks.jsonl --workers 8 --store redis://kv.internal:6379/0 --ray auto --out r.jsonl
+    agentwin batch tasks.jsonl --workers 2 --ray local --model tiny-llama-gqa
+
+One task per line: {"id": ..., "kind": "doc"|"web"|"video", "source": path-or-url, "question" (or
+"task"): ..., optional "max_steps", "budget_tokens", "max_new_tokens", "rank", "patch",
+"max_chars" (doc), "allow_hosts" (web), "segment_seconds", "fps" (video), and
+"script": [actions...] to replay fixed decisions instead of the model's}. Relative sources are
+resolved against the task file's folder.
+
+Each worker loads the model (`--model`, default smollm2) once and takes tasks one at a time: one
+worker runs in this process; `--workers N` runs N spawned processes; `--ray ADDRESS` runs them as
+Ray actors (`--ray local`: a local Ray with N CPUs; `--ray auto` or host:port: a running
+cluster, where sources must be readable by every node). The workers share `--store`, a directory
+or a redis:// URL, so content one worker encoded is read back by the others; without `--store`
+every worker keeps its own RAM store. `--threads` torch threads per worker (default: the CPUs
+divided by the workers).
+
+Results go to `--out` (default stdout), one JSON line per task as it finishes: id, ok, stopped,
+answer, steps, encodes, forwards by kind, store hits, the store's hit/miss counters for that task,
+error, attempts, worker, seconds. A failed task is retried once on the next free worker; the rest
+go on. A line of the task file that cannot be used gives a failed record saying what to fix.
+Ctrl-C stops the workers; the results written so far stay in --out, and `--resume` runs only the
+tasks without a finished result there.
+
+Exit status: 0 when every task answered, 1 when some did not (failed or ran out of steps), 2 when
+the task file or the model cannot be used, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def default_threads(args: argparse.Namespace) -> int | None:
+    """torch threads per worker: --threads, else the CPUs divided by the workers (None on a cluster)."""
+    if args.threads is not None:
+        return args.threads
+    if args.ray not in (None, "local"):
+        return None  # a cluster's nodes have their own CPU counts; torch's default there
+    return max(1, (os.cpu_count() or 1) // args.workers)
+
+
+def worker_config(args: argparse.Namespace) -> Any:
+    """The `WorkerConfig` the options describe."""
+    from agents.batch import WorkerConfig
+
+    return WorkerConfig(model=args.model, store=args.store, threads=default_threads(args),
+                        budget_tokens=args.budget_tokens, max_steps=args.max_steps,
+                        max_new_tokens=args.max_new_tokens, rank=args.rank, patch=args.patch)
+
+
+def finished_results(path: Path) -> list[dict[str, Any]]:
+    """The records in an earlier --out whose task finished (no error); unreadable lines are
+    skipped (a run killed mid-write leaves at most one)."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("id") is not None and not record.get("error"):
+            kept.append(record)
+    return kept
+
+
+def _open_out(args: argparse.Namespace) -> tuple[TextIO, set[str]]:
+    """The results stream and the ids already finished there (with --resume)."""
+    if args.out is None:
+        return sys.stdout, set()
+    path = Path(args.out)
+    kept = finished_results(path) if args.resume else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = path.open("w", encoding="utf-8")
+    for record in kept:
+        out.write(json.dumps(record, default=repr) + "\n")
+    out.flush()
+    return out, {str(r["id"]) for r in kept}
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, or None."""
+    if args.resume and args.out is None:
+        return "--resume needs --out (the file whose finished results to keep)"
+    if args.store is not None and "://" in args.store and not args.store.startswith(("redis://", "rediss://")):
+        return (f"--store must be a directory or a redis:// / rediss:// URL, got {args.store.split('://')[0]}://...")
+    if args.retries < 0:
+        return f"--retries must be 0 or more, got {args.retries}"
+    if args.ray is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return "--ray needs Ray: pip install ray==2.60.0"
+    return None
+
+
+def report(outcome_records: list[dict[str, Any]], wall_s: float, out_name: str) -> None:
+    """The totals and the first failures, on stderr."""
+    from agents.batch import summarize
+
+    total = summarize(outcome_records)
+    failed = [r for r in outcome_records if r.get("error")]
+    print(f"\n{total['tasks']} tasks: {total['ok']} answered, {total['failed']} failed, "
+          f"{total['tasks'] - total['ok'] - total['failed']} without an answer; "
+          f"{total['encodes']} encodes, {total['store_hits']} store hits; {wall_s:.1f} s; results in {out_name}",
+          file=sys.stderr)
+    for r in failed[:10]:
+        print(f"  {r['id']}: {r['error']}", file=sys.stderr)
+    if len(failed) > 10:
+        print(f"  ... and {len(failed) - 10} more", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the tasks of `args.tasks` as `agentwin batch` does; the exit status."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    from agents.batch import BatchError, TaskFileError, read_tasks, run_batch
+
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        tasks, bad = read_tasks(args.tasks)
+    except TaskFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out, done_ids = _open_out(args)
+    tasks = [t for t in tasks if t.id not in done_ids]
+    bad = [b for b in bad if b["id"] not in done_ids]
+    records: list[dict[str, Any]] = []
+    news = [""]
+    bar = tqdm(total=len(tasks) + len(bad), desc="tasks", unit="task", disable=args.quiet, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def show() -> None:
+        counts = (f"{sum(1 for r in records if r.get('ok'))} ok, "
+                  f"{sum(1 for r in records if r.get('error'))} failed")
+        bar.set_postfix_str(counts + (f" | {news[0][:48]}" if news[0] else ""))
+
+    def on_result(record: dict[str, Any]) -> None:
+        out.write(json.dumps(record, default=repr) + "\n")
+        out.flush()
+        records.append(record)
+        bar.update(1)
+        show()
+
+    def on_status(text: str) -> None:
+        news[0] = text
+        show()
+
+    for record in bad:
+        on_result(record)
+    backend = "ray" if args.ray is not None else "processes" if args.workers > 1 else "inline"
+    t0 = time.perf_counter()
+    out_name = args.out or "stdout"
+    try:
+        if tasks:
+            run_batch(tasks, worker_config(args), workers=args.workers, backend=backend, ray_address=args.ray,
+                      retries=args.retries, on_result=on_result, on_status=on_status)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: {len(records)} of {len(tasks) + len(bad)} tasks finished, their results are in "
+              f"{out_name}" + ("; rerun with --resume to run the rest" if args.out else ""), file=sys.stderr)
+        return 130
+    except BatchError as err:
+        bar.close()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    bar.close()
+    report(records, time.perf_counter() - t0, out_name)
+    return 0 if all(r.get("ok") for r in records) else 1

@@ -1,0 +1,110 @@
+"""Summaries of scored rows and the choice of each method's settings on the validation split.
+
+Every method family is tuned the same way: among its settings whose mean cost on validation stays
+within a cap, the one with the best validation metric (highest accuracy, or lowest KL) is chosen,
+ties going to the cheaper setting; only then is it read on the test split. Each family is capped
+in its own cost unit: recompute anchors by compute at reuse, patch methods and the token-sparse
+baseline by stored bytes. Nothing in the choice looks at test rows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+COMPUTE_CAPS = (0.10, 0.25, 0.50)
+BYTE_CAPS = (0.03, 0.06, 0.12, 0.25)
+FAMILIES = {"cacheblend": ("compute_frac", COMPUTE_CAPS), "epic": ("compute_frac", COMPUTE_CAPS),
+            "vlcache": ("compute_frac", COMPUTE_CAPS), "kamera": ("bytes_frac", BYTE_CAPS),
+            "token-sparse": ("bytes_frac", BYTE_CAPS)}
+AMORTISE = (1, 10)  # reuses over which the one-time work is spread in the combined time figures
+
+
+def family(method: str) -> str:
+    return "kamera" if method.startswith("kamera") else method
+
+
+def _key(row: dict) -> tuple[str, str]:
+    return row["method"], row["setting"]
+
+
+def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
+    """Per (group..., method, setting): the mean metrics and costs, and for accuracy rows the
+    gap recovered, (acc − acc(blind)) / (acc(full) − acc(blind)), per item set and on the whole.
+    Costs: bytes_frac (patch bytes / the reused chunks' fp16 KV), compute_frac (token-layers at
+    reuse / a re-prefill of the reused chunks), build_compute_frac (one-time token-layers, same
+    unit), ms and build_ms (measured), ms_at_N and compute_at_N (time and compute per reuse with
+    the one-time work spread over N reuses)."""
+    keys = list(dict.fromkeys(tuple(r[g] for g in group) + _key(r) for r in rows))
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault(tuple(r[g] for g in group) + _key(r), []).append(r)
+    out = []
+    for key in keys:
+        sel = by[key]
+        s = {**dict(zip(group, key)), "method": key[-2], "setting": key[-1], "n": len(sel),
+             "param": sel[0].get("param"),
+             "kl": statistics.fmean(r["kl"] for r in sel),
+             "top1": statistics.fmean(r["top1"] for r in sel)}
+        for cost in ("bytes_frac", "compute_frac", "build_compute_frac"):
+            s[cost] = statistics.fmean(r[cost] for r in sel)
+        s["ms"] = 1e3 * statistics.fmean(r["seconds"] for r in sel)
+        s["build_ms"] = 1e3 * statistics.fmean(r["build_seconds"] for r in sel)
+        for n in AMORTISE:
+            s[f"ms_at_{n}"] = s["ms"] + s["build_ms"] / n
+            s[f"compute_at_{n}"] = s["compute_frac"] + s["build_compute_frac"] / n
+        if "correct" in sel[0]:
+            s["acc"] = statistics.fmean(r["correct"] for r in sel)
+            sets = sorted({r.get("set", 0) for r in sel})
+            s["acc_per_set"] = [statistics.fmean(r["correct"] for r in sel if r.get("set", 0) == t) for t in sets]
+        if "greedy_same" in sel[0]:
+            weights = [len(r["kls"]) for r in sel]
+            s["greedy_same"] = sum(r["greedy_same"] * w for r, w in zip(sel, weights)) / sum(weights)
+        out.append(s)
+    if out and "acc" in out[0]:
+        _add_gaps(out, group)
+    return out
+
+
+def _add_gaps(summary: list[dict], group: Sequence[str]) -> None:
+    ref = {}
+    for s in summary:
+        if s["method"] in ("full", "blind"):
+            ref[(tuple(s[g] for g in group), s["method"])] = s
+    for s in summary:
+        g = tuple(s[k] for k in group)
+        full, blind = ref.get((g, "full")), ref.get((g, "blind"))
+        if full is None or blind is None:
+            s["gap"], s["gap_per_set"] = math.nan, []
+            continue
+        s["gap"] = gap(s["acc"], full["acc"], blind["acc"])
+        s["gap_per_set"] = [gap(a, f, b) for a, f, b in zip(s["acc_per_set"], full["acc_per_set"], blind["acc_per_set"])]
+
+
+def gap(acc: float, full: float, blind: float) -> float:
+    """Share of the full-versus-blind accuracy gap recovered (NaN when there is no gap)."""
+    return (acc - blind) / (full - blind) if full > blind else math.nan
+
+
+def select(summary: Sequence[dict], group: Sequence[str], metric: str, higher_better: bool) -> list[dict]:
+    """For every group value, family and cap: the setting chosen on the validation rows of
+    `summary` and the test summary row of that setting (None when the test split lacks it)."""
+    val = [s for s in summary if s["split"] == "validation"]
+    test = {tuple(s[g] for g in group) + _key(s): s for s in summary if s["split"] == "test"}
+    sign = 1.0 if higher_better else -1.0
+    out = []
+    for gval in dict.fromkeys(tuple(s[g] for g in group) for s in val):
+        rows = [s for s in val if tuple(s[g] for g in group) == gval]
+        for fam, (unit, caps) in FAMILIES.items():
+            cands = [s for s in rows if family(s["method"]) == fam]
+            for cap in caps:
+                fit = [s for s in cands if s[unit] <= cap + 1e-12]
+                if not fit:
+                    continue
+                best = max(fit, key=lambda s: (sign * s[metric], -s[unit]))
+                out.append({**dict(zip(group, gval)), "family": fam, "unit": unit, "cap": cap,
+                            "method": best["method"], "setting": best["setting"],
+                            "validation": {metric: best[metric], unit: best[unit]},
+                            "test": test.get(gval + _key(best))})
+    return out

@@ -28,38 +28,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from kamera_core.metrics import kl_divergence
-
+from agentwin.eval.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
 from tools import relocation_demo
 from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
 
-PAGES = [
-    "Velmora survey, page 1: the harbour. The harbour master of Velmora is Anja Roth. She keeps the "
-    "tide log in the harbour office and rings the bell when a storm is coming. The harbour has "
-    "twelve moorings and one crane.",
-    "Velmora survey, page 2: the lighthouse. The lighthouse keeper of Velmora is Tobias Mertens. He "
-    "repairs the fog horn every spring and paints the tower white every third summer. The lamp "
-    "can be seen for twenty kilometres.",
-    "Velmora survey, page 3: the ferry. The ferry captain is Lena Okafor, and her ferry is called "
-    "the Grey Heron. It leaves the north pier at seven in the morning and returns at six in the "
-    "evening, except on Sundays.",
-    "Velmora survey, page 4: the school. The island school is run by Pavel Ilic, who also plays "
-    "the organ at the chapel on Sundays. Fourteen children attend the school; the oldest is "
-    "eleven years old.",
-    "Velmora survey, page 5: the bakery. The bakery on Mill Street belongs to Marta Vidal. She bakes "
-    "rye bread on Mondays and almond cake on Fridays, and she delivers bread to the lighthouse by "
-    "bicycle.",
-    "Velmora survey, page 6: the weather station. The weather station on the western cliff is read "
-    "by Jonas Berg at noon each day. The strongest wind he recorded was one hundred and ten "
-    "kilometres per hour.",
-]
-QUESTION = "Who is the lighthouse keeper of Velmora?"
-PHRASE = "lighthouse keeper"
-EXPECTED = "Tobias Mertens"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,112 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "slow down by orders of magnitude with 2 threads on cores shared with other "
                              "processes; SmolLM2's forwards barely gain from a second thread)")
     add_window_arguments(parser, model="smollm2", budget=320, max_steps=14, rank="exact")
-
-
-def answer_query(question: str) -> str:
-    return f"\nQuestion: {question}\nAnswer:"
-
-
-def reference_generate(window: Any, query: str, max_new_tokens: int) -> tuple[str, int]:
-    """Greedy continuation of `query` after a full re-prefill of the window's tokens (no reuse),
-    and the number of forwards it ran (one prefill, then one per decoded token)."""
-    km = window.km
-    ids = window.input_ids(query)
-    out, position, cache, forwards = [], 0, None, 0
-    eos = getattr(km.model.config, "eos_token_id", None)
-    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    for _ in range(max_new_tokens):
-        forwards += 1
-        result = km.forward(ids, position, cache)
-        cache, position = result.cache, position + int(ids.numel())
-        token = int(result.logits[0, -1].argmax())
-        if token in eos:
-            break
-        out.append(token)
-        ids = torch.tensor([token])
-    return km.tokenizer.decode(out), forwards
-
-
-class DecisionReads:
-    """Wraps the heuristic: before each move, the window is read for the step's prompt (one query
-    forward over the window's KV, as a model-driven agent decides) and the same prompt is read by
-    a full re-prefill (the baseline); both are timed and their KL recorded."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.kls: list[float] = []
-        self.baseline_tokens = 0
-        self.baseline_s = 0.0
-
-    def observe(self, obs: Any) -> None:
-        self.inner.observe(obs)
-
-    def decide(self, window: Any, prompt: str) -> str:
-        mine = window.next_token_logprobs(prompt)
-        t0 = time.perf_counter()
-        reference = window.reference_logprobs(prompt)
-        self.baseline_s += time.perf_counter() - t0
-        self.baseline_tokens += int(window.input_ids(prompt).numel())
-        self.kls.append(kl_divergence(reference, mine, log_probs=True))
-        return self.inner.decide(window, prompt)
-
-
-def run_demo(km: Any, args: argparse.Namespace, pdf_path: Path, progress: bool = True, log=print) -> dict:
-    """Write the PDF, run the navigator, return the figures (and the run) as a dict."""
-    from agents.doc import PdfEnv, SkimSearchDecider, write_text_pdf
-    from agents.loop import AgentLoop
-
-    write_text_pdf(pdf_path, PAGES)
-    window = make_window(km, args)
-    query = answer_query(QUESTION)
-    answers: dict[str, str] = {}
-
-    def answer(win: Any) -> str:
-        t0 = time.perf_counter()
-        answers["window"] = win.generate(query, max_new_tokens=args.new_tokens).strip()
-        answers["window_s"] = time.perf_counter() - t0
-        return answers["window"]
-
-    reads = DecisionReads(SkimSearchDecider(PHRASE, answer_fn=answer, recall_step=0))
-    with PdfEnv(pdf_path, progress=progress) as env:
-        loop = AgentLoop(env, window, reads, QUESTION, max_steps=args.max_steps, log_path=args.log,
-                         progress=progress)
-        result = loop.run()
-    t0 = time.perf_counter()
-    reference, decoded = reference_generate(window, query, args.new_tokens)
-    reference = reference.strip()
-    reference_s = time.perf_counter() - t0
-    s = result.summary
-    stats = window.stats()
-    # The decision read after each recall is the first read of the window with the chunk back.
-    recall_steps = [r.step for r in result.records if r.event == "recall"]
-    kl_at_recalls = [reads.kls[step] for step in recall_steps if step < len(reads.kls)]
-    answer_tokens = int(window.input_ids(query).numel()) + max(decoded - 1, 0)
-    figures = {
-        "question": QUESTION,
-        "expected": EXPECTED,
-        "answer": s.answer,
-        "reference_answer": reference,
-        "answer_matches_reprefill": s.answer == reference,
-        "answer_correct": s.answer is not None and EXPECTED.lower() in s.answer.lower(),
-        "kl_at_decisions": reads.kls,
-        "kl_at_recalls": kl_at_recalls,
-        "max_kl": max((abs(k) for k in reads.kls), default=None),
-        "decision_points": len(reads.kls),
-        "agentwin": {"forwarded_tokens": stats.forwarded_tokens, "by_kind": dict(stats.forward_tokens),
-                     "vision_tower_runs": stats.encoder_calls, "relocated_tokens": stats.relocated_tokens,
-                     "wall_s": stats.wall_s},
-        "reprefill": {"forwarded_tokens": reads.baseline_tokens + answer_tokens,
-                      "wall_s": reads.baseline_s + reference_s},
-        "rank": "exact" if args.rank is None else args.rank,
-        "patch": args.patch,
-        "budget_tokens": args.budget_tokens,
-        "pages": len(PAGES),
-        "answer_s_reused": answers.get("window_s"),
-        "answer_s_reprefill": reference_s,
-        "navigation": "heuristic (read all pages, search, go back, recall page 1 by step); the answer is SmolLM2's",
-    }
-    return {"figures": figures, **result.to_json(), "_result": result}
 
 
 def _report(run: dict, log=print) -> None:
@@ -244,7 +113,7 @@ def _navigator(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t_start
     with tempfile.TemporaryDirectory() as tmp:
         pdf = Path(args.pdf) if args.pdf else Path(tmp) / "velmora.pdf"
-        demo = run_demo(km, args, pdf, progress=progress)
+        demo = run_demo(km, args, pdf, make_window, progress=progress)
     demo["figures"]["load_s"] = load_s
     demo["figures"]["total_s"] = time.perf_counter() - t_start
     _report(demo)

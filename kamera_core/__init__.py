@@ -21,7 +21,7 @@ from kamera_core.patch import (
     gains,
     orbit_deficit,
     query_second_moment,
-    store,
+    quantize,
 )
 from kamera_core.relocate import (
     phases,
@@ -60,5 +60,5 @@ __all__ = [
     "gains",
     "orbit_deficit",
     "query_second_moment",
-    "store",
+    "quantize",
 ]

@@ -440,12 +440,12 @@ def allocate_ranks(
     return dict(zip(keys, ranks))
 
 
-def store(f: Factors, storage: str) -> Factors:
+def quantize(f: Factors, storage: str) -> Factors:
     """Factors in a storage form: "fp32" | "fp16" | "bf16" (cast) or "int8" (per-rank symmetric:
     column j of u scaled by max|u[:, j]|/127, row j of vt by max|vt[j]|/127, round to nearest;
     scales float32). Int8 input is dequantised first. fp16 overflow raises ValueError."""
     if not isinstance(f, Factors):
-        raise TypeError(f"store expects Factors, got {type(f).__name__}")
+        raise TypeError(f"quantize expects Factors, got {type(f).__name__}")
     if storage in _FLOAT_STORAGE:
         u, vt = f.factors(_FLOAT_STORAGE[storage])
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(vt).all())):
@@ -484,7 +484,7 @@ def build_patch(
         r = _check_rank(ranks[i][s], f"ranks[{i}][{s}]")
         metric = None if metrics is None else metrics[i][s]
         weights = None if row_weights is None else row_weights[i][s]
-        return store(fit(layers[i][s], r, metric, weights), storage) if r else None
+        return quantize(fit(layers[i][s], r, metric, weights), storage) if r else None
 
     return ChunkPatch(tuple(LayerPatch(one(i, 0), one(i, 1)) for i in range(len(layers))), method)
 

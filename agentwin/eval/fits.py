@@ -130,7 +130,7 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
         ranks = [(rank, rank)] * len(fits.full)
 
     def one(f: kp.Factors, r: int) -> kp.Factors | None:
-        return kp.store(f.truncate(min(r, f.rank)), storage) if r else None
+        return kp.quantize(f.truncate(min(r, f.rank)), storage) if r else None
 
     return kp.ChunkPatch(tuple(kp.LayerPatch(one(fk, rk), one(fv, rv))
                                for (fk, fv), (rk, rv) in zip(fits.full, ranks)), fits.method)

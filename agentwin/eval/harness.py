@@ -171,7 +171,7 @@ def allocate_patch(deltas: Sequence[tuple[torch.Tensor, torch.Tensor]], budget_b
 
     def stored(key):
         rank = alloc.get(key, 0)
-        return kp.store(full[key].truncate(rank), storage) if rank else None
+        return kp.quantize(full[key].truncate(rank), storage) if rank else None
 
     return kp.ChunkPatch(tuple(kp.LayerPatch(stored((l, "k")), stored((l, "v"))) for l in range(len(deltas))), method)
 

@@ -18,7 +18,7 @@ import torch
 
 from kamera_core import cpu_segment
 from kamera_core.cpu_segment import kernel_status, segment_attention_cpu
-from kamera_core.patch import Factors, LayerPatch, fit, store
+from kamera_core.patch import Factors, LayerPatch, fit, quantize
 from kamera_core.relocate import phases
 from kamera_core.rope import RopeSpec
 from kamera_core.segment import Segment, segment_attention, segment_attention_reference
@@ -34,7 +34,7 @@ def _spec(head_dim: int, rotary_dim: int | None = None, pairing: str = "half") -
 
 def _factors(tokens: int, kv: int, dim: int, rank: int, gen: torch.Generator, storage: str = "fp32") -> Factors:
     f = Factors(0.3 * torch.randn(tokens, rank, generator=gen), 0.3 * torch.randn(rank, kv, dim, generator=gen))
-    return f if storage == "fp32" else store(f, storage)
+    return f if storage == "fp32" else quantize(f, storage)
 
 
 def _case(lengths, *, tq=3, hq=6, hkv=2, d=64, dv=None, dtype=torch.float32, shifts=None, rank=0,
@@ -184,7 +184,7 @@ def test_fitted_patch_in_bf16():
     for seg in segments:
         t = seg.num_tokens
         dk, dv = 0.2 * torch.randn(t, 2, 64, generator=gen), 0.2 * torch.randn(t, 2, 64, generator=gen)
-        patch = LayerPatch(store(fit(dk, 5), "int8"), fit(dv, 3))
+        patch = LayerPatch(quantize(fit(dk, 5), "int8"), fit(dv, 3))
         patched.append(Segment(seg.keys, seg.values, seg.first, seg.shift, patch))
     _check(query, qi, patched, _spec(64))
 

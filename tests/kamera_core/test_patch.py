@@ -23,7 +23,7 @@ from kamera_core.patch import (
     gains,
     orbit_deficit,
     query_second_moment,
-    store,
+    quantize,
 )
 import kamera_core.patch as kp
 from kamera_core.relocate import relocate_keys
@@ -154,9 +154,9 @@ def _stored_bytes(f: Factors) -> int:
 def test_bytes_are_exact(storage):
     delta, _, _ = _case("mha")
     feat = H * D
-    f = store(fit(delta, 7), storage)
+    f = quantize(fit(delta, 7), storage)
     assert f.nbytes == _stored_bytes(f) == 7 * bytes_per_rank(T, feat, storage)
-    assert store(fit(delta, 8), storage).nbytes - f.nbytes == bytes_per_rank(T, feat, storage)
+    assert quantize(fit(delta, 8), storage).nbytes - f.nbytes == bytes_per_rank(T, feat, storage)
     assert bytes_per_rank(T, feat, storage) == (T + feat) * {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}[storage] + (
         8 if storage == "int8" else 0
     )
@@ -169,7 +169,7 @@ def test_bytes_are_exact(storage):
 def test_int8_round_trip_within_half_a_step():
     delta, metric, _ = _case("mha", seed=11)
     f = fit(delta, 12, metric)
-    q = store(f, "int8")
+    q = quantize(f, "int8")
     assert q.u.dtype == q.vt.dtype == torch.int8 and q.u_scale.dtype == torch.float32
     u, vt = q.factors()
     # Half a quantisation step, plus float32 rounding of the division and of the product.
@@ -177,12 +177,12 @@ def test_int8_round_trip_within_half_a_step():
     vt_err = (vt - f.vt).abs().reshape(12, -1)  # (m, H*D)
     assert bool((vt_err <= q.vt_scale[:, None] * (0.5 + 1e-5) + 1e-7).all())
     assert (q.dense() - f.dense()).abs().max() < 0.05 * f.dense().abs().max()
-    zero = store(Factors(torch.zeros(T, 2), torch.zeros(2, H, D)), "int8")
+    zero = quantize(Factors(torch.zeros(T, 2), torch.zeros(2, H, D)), "int8")
     assert zero.dense().abs().max() == 0 and bool(torch.isfinite(zero.u_scale).all())
-    again = store(q, "fp32")
+    again = quantize(q, "fp32")
     torch.testing.assert_close(again.dense(), q.dense())
     with pytest.raises(ValueError, match="int8"):
-        store(f, "int4")
+        quantize(f, "int4")
 
 
 def test_allocation_follows_normalised_gain_and_budget():
@@ -340,7 +340,7 @@ def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match=r"vt \[m, \*F\]"):
         Factors(torch.zeros(T, 2), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="overflow fp16"):
-        store(Factors(torch.full((T, 1), 1e6), torch.ones(1, 4)), "fp16")
+        quantize(Factors(torch.full((T, 1), 1e6), torch.ones(1, 4)), "fp16")
     with pytest.raises(ValueError, match="ranks has"):
         build_patch(deficit(_kv(2, 1), _kv(2, 2)), [(1, 1)], "svd")
 

@@ -146,8 +146,8 @@ def _patch(storage: str) -> kp.ChunkPatch:
     g = torch.Generator().manual_seed(3)
     fk = kp.fit(torch.randn(9, 2, 4, generator=g), 3)
     fv = kp.fit(torch.randn(9, 2, 4, generator=g), 2)
-    layers = (kp.LayerPatch(kp.store(fk, storage), None), kp.LayerPatch(None, None),
-              kp.LayerPatch(kp.store(fk, storage), kp.store(fv, storage)), kp.LayerPatch(None, kp.store(fv, storage)),
+    layers = (kp.LayerPatch(kp.quantize(fk, storage), None), kp.LayerPatch(None, None),
+              kp.LayerPatch(kp.quantize(fk, storage), kp.quantize(fv, storage)), kp.LayerPatch(None, kp.quantize(fv, storage)),
               kp.LayerPatch(None, None))
     return kp.ChunkPatch(layers, "query")
 

@@ -28,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="full-context and blind-reuse accuracy of a checkpoint")
     ev.add_argument("--path", default=str(CHECKPOINT_DIR))
     ev.add_argument("--items", type=int, default=1000)
+    ev.add_argument("--layout", choices=sorted(LAYOUTS), default="variable", help="item layout (default: the task's)")
     ev.add_argument("--record", action="store_true", help="write the figures into the checkpoint's binding.json")
     args = parser.parse_args(argv)
     if args.cmd == "train":
@@ -36,11 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               layout=args.layout, init=args.init)
         return 0
     model, tok = load(args.path)
-    items = eval_items(args.items)
+    items = eval_items(args.items, layout=LAYOUTS[args.layout])
     full, blind = accuracy_full(model, tok, items), accuracy_blind(model, tok, items)
-    print(f"full context: {full:.4f}  blind reuse: {blind:.4f} ({args.items} held-out items)")
+    print(f"full context: {full:.4f}  blind reuse: {blind:.4f} ({args.items} held-out items, layout {args.layout})")
     if args.record:
-        record_eval(args.path, args.items, full, blind)
+        record_eval(args.path, args.items, full, blind, layout=args.layout)
     return 0
 
 

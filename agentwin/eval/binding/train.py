@@ -198,7 +198,7 @@ def write_readme(folder: str | os.PathLike) -> None:
     if "eval" in d:
         e = d["eval"]
         lines += ["", "## Held-out accuracy", "",
-                  f"{e['items']} held-out items (`eval_items`, seed {e['eval_seed']}, layout `variable`): full context "
+                  f"{e['items']} held-out items (`eval_items`, seed {e['eval_seed']}, layout `{e.get('layout', 'fixed-offset')}`): full context "
                   f"{e['full_context_acc']:.3f}, blind reuse (B encoded alone, relocated, no patch) "
                   f"{e['blind_reuse_acc']:.3f}. `{e['command']}`"]
         if e["full_context_acc"] < 0.95:
@@ -207,11 +207,14 @@ def write_readme(folder: str | os.PathLike) -> None:
     (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def record_eval(folder: str | os.PathLike, items: int, full: float, blind: float, eval_seed: int = 10_000) -> None:
-    """Write held-out accuracies into a checkpoint's binding.json and rewrite its README."""
+def record_eval(folder: str | os.PathLike, items: int, full: float, blind: float, eval_seed: int = 10_000,
+                layout: str = "variable") -> None:
+    """Write held-out accuracies (on items of `layout`) into a checkpoint's binding.json and
+    rewrite its README."""
     path = Path(folder) / "binding.json"
     desc = json.loads(path.read_text())
-    desc["eval"] = {"items": items, "eval_seed": eval_seed, "full_context_acc": full, "blind_reuse_acc": blind,
-                    "command": f"python -m tools.binding eval --items {items}"}
+    desc["eval"] = {"items": items, "eval_seed": eval_seed, "layout": layout, "full_context_acc": full,
+                    "blind_reuse_acc": blind,
+                    "command": f"python -m tools.binding eval --items {items} --layout {layout}"}
     path.write_text(json.dumps(desc, indent=1))
     write_readme(folder)

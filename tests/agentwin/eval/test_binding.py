@@ -145,8 +145,7 @@ def test_shipped_checkpoint_reaches_its_recorded_accuracy():
     assert (bd.CHECKPOINT_DIR / "model.safetensors").stat().st_size < 8 * 2**20
     # The figures hold for the layout the weights were evaluated on (recorded beside them;
     # weights recorded before layouts were named were trained and evaluated at the fixed offset).
-    layout = {"fixed_offset": bd.FIXED_OFFSET, "variable": bd.VARIABLE,
-              "unbalanced": bd.UNBALANCED}[recorded.get("layout", "fixed_offset")]
+    layout = bd.LAYOUTS[recorded.get("layout", "fixed-offset")]
     items = bd.eval_items(1000, layout=layout)[:300]
     full = bd.accuracy_full(model, tok, items)
     blind = bd.accuracy_blind(model, tok, items)

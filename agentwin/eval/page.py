@@ -25,6 +25,10 @@ def _spread(values: Sequence[float]) -> str:
     return f" ({min(vals):.2f}–{max(vals):.2f})"
 
 
+def _kl(x: float) -> str:
+    return f"{x:.4f}" if x >= 1e-3 or x == 0 else f"{x:.1e}"
+
+
 def _costs(r: dict) -> str:
     return (f"{r['bytes_frac']:.1%} | {r['compute_frac']:.1%} | {r['build_compute_frac']:.0%} | {r['ms']:.2f} | "
             + " | ".join(f"{r[f'ms_at_{n}']:.2f}" for n in AMORTISE))
@@ -81,7 +85,7 @@ def selected_table(selected: Sequence[dict], metric: str) -> list[str]:
         if acc:
             figs = f"{v:.3f} | {t['acc']:.3f}{_spread(t['acc_per_set'])} | {_gap(t)}"
         else:
-            figs = f"{v:.4f} | {t['kl']:.4f} | {t['top1']:.3f} | {t.get('greedy_same', math.nan):.3f}"
+            figs = f"{_kl(v)} | {_kl(t['kl'])} | {t['top1']:.3f} | {t.get('greedy_same', math.nan):.3f}"
         lines.append(f"| {s['family']} | {cap} | {_label(s)} | {figs} | {_costs(t)} |")
     return lines + [""]
 
@@ -99,7 +103,7 @@ def reference_table(rows: Sequence[dict], metric: str) -> list[str]:
              + f" | {COST_HEAD} |", "| --- | " + ("--- | --- | " if acc else "--- | --- | --- | ") + COST_COLS + " |"]
     for t in rows:
         figs = (f"{t['acc']:.3f}{_spread(t['acc_per_set'])} | {_gap(t)}" if acc
-                else f"{t['kl']:.4f} | {t['top1']:.3f} | {t.get('greedy_same', math.nan):.3f}")
+                else f"{_kl(t['kl'])} | {t['top1']:.3f} | {t.get('greedy_same', math.nan):.3f}")
         lines.append(f"| {_label(t)} | {figs} | {_costs(t)} |")
     return lines + [""]
 
@@ -108,12 +112,12 @@ def sweep_table(summary: Sequence[dict], where: dict, metric: str) -> list[str]:
     """Every setting: validation and test metric side by side, with its costs (test)."""
     val = {_label(s): s for s in summary if s["split"] == "validation" and all(s[k] == v for k, v in where.items())}
     test = [s for s in summary if s["split"] == "test" and all(s[k] == v for k, v in where.items())]
-    fmt = "{:.3f}" if metric == "acc" else "{:.4f}"
+    fmt = "{:.3f}".format if metric == "acc" else _kl
     lines = [f"| method | validation {metric} | test {metric} | extra bytes | compute at reuse | one-time compute |",
              "| --- | --- | --- | --- | --- | --- |"]
     for t in test:
         v = val.get(_label(t))
-        lines.append(f"| {_label(t)} | {'—' if v is None else fmt.format(v[metric])} | {fmt.format(t[metric])} | "
+        lines.append(f"| {_label(t)} | {'—' if v is None else fmt(v[metric])} | {fmt(t[metric])} | "
                      f"{t['bytes_frac']:.1%} | {t['compute_frac']:.1%} | {t['build_compute_frac']:.0%} |")
     return lines + [""]
 

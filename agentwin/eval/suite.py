@@ -55,12 +55,13 @@ def plan_sizes(opts: Options) -> dict:
     """The sizes a run uses: the options, or the quick ones."""
     if opts.quick:
         return dict(b_val=12, b_test=12, b_sets=2, s_val=[SMOLLM2_VAL_SEED], s_test=[0], queries=2, vl=1,
-                    b_budgets=(0.06, 0.25), k_budgets=(0.06, 0.12), sweeps=QUICK_SWEEPS, s_sweeps=QUICK_SWEEPS, greedy=4)
+                    b_budgets=(0.06, 0.25), k_budgets=(0.06, 0.12), sweeps=QUICK_SWEEPS, s_sweeps=QUICK_SWEEPS, greedy=4,
+                    s_tokens=96)
     return dict(b_val=opts.binding_val_items, b_test=opts.binding_test_items, b_sets=opts.binding_test_sets,
                 s_val=list(range(SMOLLM2_VAL_SEED, SMOLLM2_VAL_SEED + opts.smollm2_val_cases)),
                 s_test=list(range(opts.smollm2_test_cases)), queries=opts.smollm2_queries, vl=opts.vl_seeds,
                 b_budgets=BINDING_BUDGETS, k_budgets=KAMERA_BUDGETS, sweeps=wl.SWEEPS, s_sweeps=SMOLLM2_SWEEPS,
-                greedy=GREEDY)
+                greedy=GREEDY, s_tokens=None)
 
 
 def binding_results(opts: Options, z: dict, log: Callable[[str], None]) -> dict:
@@ -81,7 +82,7 @@ def smollm2_results(opts: Options, z: dict, log: Callable[[str], None]) -> dict:
     # SDPA (grouped KV heads read directly), for the reference and every method alike.
     model.set_attn_implementation("sdpa")
     res = wl.smollm2_workload(model, tokenizer, z["s_val"], z["s_test"], z["k_budgets"], z["greedy"], z["queries"],
-                              z["s_sweeps"], log=log)
+                              z["s_sweeps"], log=log, max_tokens=z["s_tokens"])
     summary = selection.summarise(res["rows"], ("split", "trace"))
     return {**res, "summary": summary, "selected": selection.select(summary, ("trace",), "kl", False),
             "queries": z["queries"], "sweeps": _swept(z["s_sweeps"]), "budgets": list(z["k_budgets"])}
@@ -178,8 +179,8 @@ def _run_suite(opts: Options, root: Path, log: Callable[[str], None]) -> Path:
         header += [f"Figures of {', '.join(earlier)} come from an earlier run into the same directory (this run "
                    "skipped them); their own JSON records the settings.", ""]
     if opts.quick:
-        header += ["**Quick mode**: a few items per workload, for checking the harness; the figures are not the "
-                   "results.", ""]
+        header += ["**Quick mode**: a few items per workload and SmolLM2 chunks cut to 96 tokens, for checking the "
+                   "harness; the figures are not the results.", ""]
     path = root / "RESULTS.md"
     page.write_page(path, sections, header)
     log(f"wrote {path} and {out_dir}/eval_* in {minutes:.1f} min")

@@ -182,12 +182,13 @@ def preamble(seed: int) -> str:
 
 
 def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries: int | None, sweeps=SWEEPS,
-                      traces: Sequence[str] = TRACES) -> list[dict]:
+                      traces: Sequence[str] = TRACES, max_tokens: int | None = None) -> list[dict]:
     """Every trace of one case. Origin patches are fitted on the appended chunks [A, B, E1, E2]
-    (one conditioned pass); each trace reads the chunks in another context."""
+    (one conditioned pass); each trace reads the chunks in another context. `max_tokens` cuts
+    every chunk to its first tokens (a quick check only)."""
 
     def enc(text: str, special: bool = False) -> torch.Tensor:
-        return torch.tensor(tokenizer(text, add_special_tokens=special).input_ids)
+        return torch.tensor(tokenizer(text, add_special_tokens=special).input_ids)[:max_tokens]
 
     a = cx.text_chunk(enc(case.a, True))
     b, e1, e2 = (cx.text_chunk(enc(" " + t)) for t in (case.b, *case.extra_chunks))
@@ -199,7 +200,10 @@ def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries:
     for trace in traces:
         orbit = None
         if trace == "recall":
-            final = [cx.text_chunk(enc(preamble(case.seed) + case.a, True)), b]
+            pre = torch.tensor(tokenizer(preamble(case.seed), add_special_tokens=True).input_ids)
+            bos = getattr(tokenizer, "bos_token_id", None)
+            body = a.ids[1:] if bos is not None and int(a.ids[0]) == bos else a.ids  # one leading <bos>, not two
+            final = [cx.text_chunk(torch.cat([pre, body])), b]
         elif trace == "reorder":
             final = [a, e2, b, e1]
             orbit = {"members": [1, 2, 3], "head": [a], "leave_out": (0, 1, 2)}
@@ -215,13 +219,15 @@ def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries:
 
 
 def smollm2_workload(model, tokenizer, val_seeds: Sequence[int], test_seeds: Sequence[int], budgets, greedy: int,
-                     max_queries: int | None, sweeps=SWEEPS, log: Callable[[str], None] = print) -> dict:
+                     max_queries: int | None, sweeps=SWEEPS, log: Callable[[str], None] = print,
+                     max_tokens: int | None = None) -> dict:
     """Validation cases are scored by KL only (no greedy decoding); test cases also by greedy."""
     rows = []
     t0 = time.perf_counter()
     for split, seeds, steps in (("validation", val_seeds, 0), ("test", test_seeds, greedy)):
         for seed in seeds:
-            for r in smollm2_case_rows(model, tokenizer, make_case(seed), budgets, steps, max_queries, sweeps):
+            for r in smollm2_case_rows(model, tokenizer, make_case(seed), budgets, steps, max_queries, sweeps,
+                                       max_tokens=max_tokens):
                 rows.append({"split": split, "seed": seed, **r})
             log(f"  smollm2 {split} case {seed} done ({time.perf_counter() - t0:.0f} s)")
     return {"rows": rows, "greedy_tokens": greedy, "validation_seeds": list(val_seeds), "test_seeds": list(test_seeds)}

@@ -4,17 +4,16 @@ Layout: token-major `[tokens, num_kv_heads, head_dim]` per layer; MLA `[tokens, 
 and `[tokens, rope_dim]`. See rope.py for the RoPE families and relocate.py for the math.
 """
 
+from kamera_core.budget import allocate_ranks, bytes_per_rank
 from kamera_core.patch import (
     ChunkPatch,
     Factors,
     LayerPatch,
-    allocate_ranks,
     apply_patch,
     attention_mass,
     build_patch,
     exact_patch,
     identity_factors,
-    bytes_per_rank,
     deficit,
     fit,
     fit_with_gains,

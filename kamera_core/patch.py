@@ -18,13 +18,13 @@ the ridge below. All fitting runs in float64; factors come back as float32.
 
 from __future__ import annotations
 
-import heapq
 import math
-import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kamera_core.budget import FLOAT_STORAGE, STORAGES, check_rank, check_tensor
 
 Tensor = torch.Tensor
 
@@ -36,22 +36,6 @@ RIDGE = 1e-6
 # still get a tiny weight, so u = diag(√w)⁻¹·U stays finite; the row scaling's condition number is
 # at most 1/√ROW_FLOOR = 1e3, which bounds the fp32 reconstruction error of floored rows (~1e-4).
 ROW_FLOOR = 1e-6
-_FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-STORAGES = ("fp32", "fp16", "bf16", "int8")
-
-
-def _check_tensor(x: object, what: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _check_rank(rank: object, what: str = "rank") -> int:
-    if isinstance(rank, bool) or not hasattr(rank, "__index__"):  # ints, numpy and 0-d torch ints
-        raise TypeError(f"{what} must be an int, got {type(rank).__name__} {rank!r}")
-    if (value := operator.index(rank)) < 0:  # type: ignore[arg-type]
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +54,7 @@ class Factors:
     vt_scale: Tensor | None = None
 
     def __post_init__(self) -> None:
-        u, vt = _check_tensor(self.u, "Factors.u"), _check_tensor(self.vt, "Factors.vt")
+        u, vt = check_tensor(self.u, "Factors.u"), check_tensor(self.vt, "Factors.vt")
         if u.dim() != 2 or vt.dim() < 2 or vt.shape[0] != u.shape[1]:
             raise ValueError(f"Factors.u must be [T, m] and vt [m, *F], got {tuple(u.shape)} and {tuple(vt.shape)}")
         if u.shape[0] == 0 or math.prod(vt.shape[1:]) == 0:
@@ -115,7 +99,7 @@ class Factors:
 
     def truncate(self, rank: int) -> Factors:
         """The first `rank` components (copies, so `nbytes` is what is actually held)."""
-        r = _check_rank(rank)
+        r = check_rank(rank)
         if r > self.rank:
             raise ValueError(f"cannot truncate rank {self.rank} factors to rank {r}")
         cut = [None if t is None else t[..., :r].clone() for t in (self.u_scale, self.vt_scale)]
@@ -165,7 +149,7 @@ def _pairs(kv: Sequence[tuple[Tensor, Tensor]], what: str) -> list[tuple[Tensor,
             k, v = pair
         except (TypeError, ValueError):
             raise TypeError(f"{what}[{i}] must be a (k, v) pair of tensors") from None
-        out.append((_check_tensor(k, f"{what}[{i}].k"), _check_tensor(v, f"{what}[{i}].v")))
+        out.append((check_tensor(k, f"{what}[{i}].k"), check_tensor(v, f"{what}[{i}].v")))
     return out
 
 
@@ -222,10 +206,10 @@ def query_second_moment(queries: Tensor, num_kv_heads: int) -> Tensor:
     queries: `[Tq, Hq, D]` post-RoPE, already in the chunk-local frame (the caller rotates them).
     Query head h reads KV head h // (Hq // num_kv_heads), as transformers' `repeat_kv` expands.
     """
-    q = _check_tensor(queries, "queries")
+    q = check_tensor(queries, "queries")
     if q.dim() != 3:
         raise ValueError(f"queries must be [Tq, Hq, D], got shape {tuple(q.shape)}")
-    hkv = _check_rank(num_kv_heads, "num_kv_heads")
+    hkv = check_rank(num_kv_heads, "num_kv_heads")
     tq, hq, d = q.shape
     if hkv == 0 or hq % hkv or tq == 0:
         raise ValueError(f"num_kv_heads={hkv} must be positive and divide Hq={hq}, and Tq={tq} must be > 0")
@@ -237,7 +221,7 @@ def query_second_moment(queries: Tensor, num_kv_heads: int) -> Tensor:
 def attention_mass(weights: Tensor) -> Tensor:
     """`[Tk]` float64 mean mass each key token receives from attention probabilities
     `weights [Hq, Tq, Tk]` (mean over heads and query rows)."""
-    w = _check_tensor(weights, "weights")
+    w = check_tensor(weights, "weights")
     if w.dim() != 3:
         raise ValueError(f"weights must be [Hq, Tq, Tk], got shape {tuple(w.shape)}")
     return w.to(torch.float64).mean(dim=(0, 1))
@@ -265,7 +249,7 @@ def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
 def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None
               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """(X = diag(√w)·Δ `[T, F]`, X·W `[T, F]`, √w `[T]` or None, W⁻¹ `[H, D, D]` or None), float64."""
-    delta = _check_tensor(delta, "delta")
+    delta = check_tensor(delta, "delta")
     if not delta.is_floating_point() or delta.dim() < 2 or delta.numel() == 0:
         raise ValueError(f"delta must be a non-empty floating tensor [T, *F], got {delta.dtype} {tuple(delta.shape)}")
     t = delta.shape[0]
@@ -274,7 +258,7 @@ def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None
         raise ValueError("delta has non-finite values")  # the SVD would fail or return NaN factors
     sqrt_w = None
     if row_weights is not None:
-        w = _check_tensor(row_weights, "row_weights").to(device=x.device, dtype=torch.float64)
+        w = check_tensor(row_weights, "row_weights").to(device=x.device, dtype=torch.float64)
         if tuple(w.shape) != (t,):
             raise ValueError(f"row_weights must be [T={t}], got shape {tuple(w.shape)}")
         if not bool(torch.isfinite(w).all()) or not bool((w > 0).any()):
@@ -283,7 +267,7 @@ def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None
         x = x * sqrt_w[:, None]
     if metric is None:
         return x, x, sqrt_w, None
-    m = _check_tensor(metric, "metric").to(device=x.device)
+    m = check_tensor(metric, "metric").to(device=x.device)
     if m.dim() == 2:
         m = m.unsqueeze(0)
     if m.dim() != 3 or m.shape[1] != m.shape[2] or m.shape[0] * m.shape[1] != x.shape[1]:
@@ -320,14 +304,14 @@ def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Ten
     mapped back.
     """
     factors = fit_with_gains(delta, metric, row_weights)[0]
-    return factors.truncate(min(_check_rank(rank), factors.rank))
+    return factors.truncate(min(check_rank(rank), factors.rank))
 
 
 def identity_factors(delta: Tensor) -> Factors:
     """Full-rank Factors of `delta [T, *F]` with no decomposition: `I_T · Δ` when T ≤ F, else
     `Δ · I_F`. The product reproduces Δ exactly in float32 (each entry is one value times 1), and
     it costs nothing to build, so exact patches never run an eigensolver."""
-    x = _check_tensor(delta, "delta")
+    x = check_tensor(delta, "delta")
     if x.dim() < 2 or x.shape[0] == 0 or math.prod(x.shape[1:]) == 0:
         raise ValueError(f"delta must be [T, *F] with tokens and features, got {tuple(x.shape)}")
     t, f = x.shape[0], math.prod(x.shape[1:])
@@ -374,80 +358,14 @@ def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | Non
     return s2[: min(xw.shape)], float(xw.square().sum())
 
 
-def bytes_per_rank(num_tokens: int, feature_size: int, storage: str) -> int:
-    """Exact bytes one more rank costs: one column of u `[T]` plus one row of vt `[F]`, and for
-    int8 its two float32 scales: (T + F)·itemsize, or (T + F) + 8 for "int8"."""
-    t, f = _check_rank(num_tokens, "num_tokens"), _check_rank(feature_size, "feature_size")
-    if storage == "int8":
-        return t + f + 2 * 4
-    if storage not in _FLOAT_STORAGE:
-        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
-    return (t + f) * _FLOAT_STORAGE[storage].itemsize
-
-
-def allocate_ranks(
-    candidates: Mapping[Hashable, tuple[Tensor, float, int]],
-    budget_bytes: int,
-    max_rank: Mapping[Hashable, int] | None = None,
-) -> dict[Hashable, int]:
-    """Ranks per candidate maximising Σ (kept σ² / normaliser) within `budget_bytes`, greedily.
-
-    candidates: key (e.g. `(layer, "k")`) → (σ² `[n]` non-increasing, normaliser > 0 that makes
-    gains comparable, e.g. the canonical tensor's energy in the same metric, bytes per rank > 0).
-    Order: repeatedly give one rank to the candidate whose next component has the largest
-    (σ²_next / normaliser) / bytes_per_rank among those whose next rank still fits; ties go to
-    the key that comes first in `candidates`. A candidate whose next rank does not fit is dropped
-    (the budget only shrinks), components with σ² = 0 are never bought, and `max_rank[key]` caps
-    a key. Returns rank per key (0 allowed).
-    With equal bytes per rank this is optimal: the objective is a sum of concave (decreasing
-    gain) per-candidate terms, so the best n-rank set is the n largest gains. With unequal bytes it
-    is the density greedy of a knapsack, within one component's gain of the optimum.
-    """
-    budget = _check_rank(budget_bytes, "budget_bytes")
-    keys = list(candidates)
-    gain_lists, norms, costs, limits = [], [], [], []
-    for key in keys:
-        g, norm, cost = candidates[key]
-        g = _check_tensor(g, f"gains of {key!r}").detach().to("cpu", torch.float64).flatten()
-        if bool((g[1:] > g[:-1]).any()) or bool((g < 0).any()):
-            raise ValueError(f"gains of {key!r} must be non-negative and non-increasing")
-        if not (math.isfinite(norm) and norm > 0):
-            raise ValueError(f"normaliser of {key!r} must be positive and finite, got {norm!r}")
-        if _check_rank(cost, f"bytes per rank of {key!r}") == 0:
-            raise ValueError(f"bytes per rank of {key!r} must be positive")
-        cap = len(g) if max_rank is None or key not in max_rank else _check_rank(max_rank[key], f"max_rank[{key!r}]")
-        gain_lists.append(g.tolist())
-        norms.append(float(norm))
-        costs.append(int(cost))
-        limits.append(min(cap, len(g)))
-    ranks = [0] * len(keys)
-    heap: list[tuple[float, int]] = []  # (−score of the next component, key index): ties → first key
-
-    def push(i: int) -> None:
-        r = ranks[i]
-        if r < limits[i] and gain_lists[i][r] > 0:
-            heapq.heappush(heap, (-gain_lists[i][r] / norms[i] / costs[i], i))
-
-    for i in range(len(keys)):
-        push(i)
-    while heap:
-        _, i = heapq.heappop(heap)
-        if costs[i] > budget:
-            continue  # dropped for good: the budget only shrinks
-        budget -= costs[i]
-        ranks[i] += 1
-        push(i)
-    return dict(zip(keys, ranks))
-
-
 def quantize(f: Factors, storage: str) -> Factors:
     """Factors in a storage form: "fp32" | "fp16" | "bf16" (cast) or "int8" (per-rank symmetric:
     column j of u scaled by max|u[:, j]|/127, row j of vt by max|vt[j]|/127, round to nearest;
     scales float32). Int8 input is dequantised first. fp16 overflow raises ValueError."""
     if not isinstance(f, Factors):
         raise TypeError(f"quantize expects Factors, got {type(f).__name__}")
-    if storage in _FLOAT_STORAGE:
-        u, vt = f.factors(_FLOAT_STORAGE[storage])
+    if storage in FLOAT_STORAGE:
+        u, vt = f.factors(FLOAT_STORAGE[storage])
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(vt).all())):
             raise ValueError(f"factors overflow {storage}; use 'bf16' or 'int8'")
         return Factors(u, vt)
@@ -481,7 +399,7 @@ def build_patch(
             raise ValueError(f"{name} has {len(seq)} entries for {len(layers)} layers")
 
     def one(i: int, s: int) -> Factors | None:
-        r = _check_rank(ranks[i][s], f"ranks[{i}][{s}]")
+        r = check_rank(ranks[i][s], f"ranks[{i}][{s}]")
         metric = None if metrics is None else metrics[i][s]
         weights = None if row_weights is None else row_weights[i][s]
         return quantize(fit(layers[i][s], r, metric, weights), storage) if r else None

@@ -17,7 +17,7 @@ from agentwin.eval.baselines import Result, placed_kv, with_canonical_build
 from agentwin.eval.contexts import Chunk, Context, first_position, forward_chunk, join_chunks, position_ids
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
-from kamera_core import kv_layout, patch as kp, rope_specs
+from kamera_core import budget as kb, kv_layout, patch as kp, rope_specs
 
 KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-orbit")
 
@@ -116,14 +116,14 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     """The patch of `fits` within `budget_bytes`: the largest uniform rank for K and V in every
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit)."""
-    costs = [(kp.bytes_per_rank(fits.tokens, fk, storage), kp.bytes_per_rank(fits.tokens, fv, storage))
+    costs = [(kb.bytes_per_rank(fits.tokens, fk, storage), kb.bytes_per_rank(fits.tokens, fv, storage))
              for fk, fv in fits.features]
     if fits.method in ("kamera-alloc", "kamera-orbit"):
         candidates = {}
         for l, ((gk, gv), (ek, ev), (ck, cv)) in enumerate(zip(fits.gains, fits.energy, costs)):
             candidates[(l, 0)] = (gk, max(ek, 1e-30), ck)
             candidates[(l, 1)] = (gv, max(ev, 1e-30), cv)
-        alloc = kp.allocate_ranks(candidates, budget_bytes)
+        alloc = kb.allocate_ranks(candidates, budget_bytes)
         ranks = [(alloc[(l, 0)], alloc[(l, 1)]) for l in range(len(fits.full))]
     else:
         rank = int(budget_bytes // sum(ck + cv for ck, cv in costs))

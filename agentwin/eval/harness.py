@@ -26,7 +26,7 @@ from agentwin.eval.datasets import make_case
 from agentwin.models.conditioned import ConditionedPass, conditioned_pass
 from agentwin.models.kv import LayerKV, build_cache, concat_kv, extract_kv, relocate_kv
 from kamera_core import KVLayout, RopeSpec, kv_layout, rope_specs
-from kamera_core import patch as kp
+from kamera_core import budget as kb, patch as kp
 from kamera_core.metrics import kl_divergence
 
 
@@ -166,8 +166,8 @@ def allocate_patch(deltas: Sequence[tuple[torch.Tensor, torch.Tensor]], budget_b
         for slot, d in (("k", dk), ("v", dv)):
             factors, g, energy = kp.fit_with_gains(d)  # one decomposition serves both
             full[(layer, slot)] = factors
-            candidates[(layer, slot)] = (g, max(energy, 1e-30), kp.bytes_per_rank(d.shape[0], d[0].numel(), storage))
-    alloc = kp.allocate_ranks(candidates, budget_bytes)
+            candidates[(layer, slot)] = (g, max(energy, 1e-30), kb.bytes_per_rank(d.shape[0], d[0].numel(), storage))
+    alloc = kb.allocate_ranks(candidates, budget_bytes)
 
     def stored(key):
         rank = alloc.get(key, 0)
@@ -200,7 +200,7 @@ def _layer_diagnostics(p) -> list[dict]:
 
 
 def _uniform_rank(p, budget: float, storage: str) -> int:
-    per_layer = sum(kp.bytes_per_rank(p.b_len, t[0].numel(), storage) for t in p.canonical[0])
+    per_layer = sum(kb.bytes_per_rank(p.b_len, t[0].numel(), storage) for t in p.canonical[0])
     return int(budget * p.kv_bytes() // (per_layer * len(p.canonical)))
 
 

@@ -9,15 +9,14 @@ import math
 import pytest
 import torch
 
+from kamera_core.budget import allocate_ranks, bytes_per_rank
 from kamera_core.patch import (
     ChunkPatch,
     Factors,
     LayerPatch,
-    allocate_ranks,
     apply_patch,
     attention_mass,
     build_patch,
-    bytes_per_rank,
     deficit,
     fit,
     gains,

@@ -19,10 +19,8 @@ observation's text says how much is readable.
 
 Actions: next, seek {time} (seconds), segment {index} (0-based).
 
-`SegmentIndex` keeps one summary vector per segment (`Window.key_summary(chunk)`: mean canonical
-keys per layer, as ReKV retrieves by) and returns the segments closest to a question
-(`KameraModel.key_summary(question_ids)`) by cosine similarity averaged over layers, or the segment
-at a timestamp.
+Retrieval of segments by a question is the window's (`Window.nearest`: mean canonical keys per
+layer, as ReKV retrieves by, cosine averaged over layers); by time, the agent loop's step records.
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ import sys
 import tempfile
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from agents.base import ActionError, EnvError, Observation
@@ -400,82 +396,3 @@ class VideoEnv:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-# retrieval ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SegmentHit:
-    """A segment found by `SegmentIndex`; `score` is the mean per-layer cosine (None for `at`);
-    `ref` is what the caller stored with it (e.g. the segment's chunk id)."""
-
-    segment: int
-    start: float
-    end: float
-    score: float | None = None
-    ref: Any = None
-
-
-class SegmentIndex:
-    """Per-segment key summaries (`[layers, width]`), searched by a question's summary."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[float, float, torch.Tensor, Any]] = {}
-        self._shape: tuple[int, ...] | None = None
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, segment: int) -> bool:
-        return segment in self._items
-
-    def _as_summary(self, summary: Any, what: str) -> torch.Tensor:
-        t = torch.as_tensor(summary).detach().to("cpu", torch.float32)
-        if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
-            raise ValueError(f"{what} must be [layers, width] (e.g. Window.key_summary), got shape {tuple(t.shape)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{what} has NaN or infinite values")
-        if self._shape is not None and tuple(t.shape) != self._shape:
-            raise ValueError(f"{what} has shape {tuple(t.shape)} but the index holds {self._shape}; "
-                             f"summaries must come from the same model")
-        return t
-
-    def add(self, segment: int, start: float, end: float, summary: Any, ref: Any = None) -> None:
-        """Store (or replace) segment `segment`'s summary, covering seconds [start, end)."""
-        if not end >= start:
-            raise ValueError(f"segment {segment}: end {end} before start {start}")
-        t = self._as_summary(summary, f"summary of segment {segment}")
-        self._shape = tuple(t.shape)
-        self._items[int(segment)] = (float(start), float(end), t, ref)
-
-    def remove(self, segment: int) -> None:
-        self._items.pop(int(segment), None)
-        if not self._items:
-            self._shape = None
-
-    def top_k(self, query: Any, k: int = 3) -> list[SegmentHit]:
-        """The `k` segments most similar to `query` (`[layers, width]`): cosine per layer, averaged
-        over layers; best first, ties by segment order."""
-        if not self._items:
-            return []
-        q = torch.nn.functional.normalize(self._as_summary(query, "query summary"), dim=-1)
-        segs = sorted(self._items)
-        stacked = torch.stack([self._items[s][2] for s in segs])  # [N, layers, width]
-        scores = (torch.nn.functional.normalize(stacked, dim=-1) * q).sum(-1).mean(-1)
-        order = sorted(range(len(segs)), key=lambda i: (-float(scores[i]), segs[i]))[: max(0, int(k))]
-        return [self._hit(segs[i], float(scores[i])) for i in order]
-
-    def at(self, time: float) -> SegmentHit | None:
-        """The stored segment covering second `time` (the last one includes its end), or None."""
-        t = float(time)
-        for seg in sorted(self._items):
-            start, end = self._items[seg][:2]
-            if start <= t < end:
-                return self._hit(seg, None)
-        last = max(self._items, key=lambda s: self._items[s][1], default=None)
-        if last is not None and t == self._items[last][1]:
-            return self._hit(last, None)
-        return None
-
-    def _hit(self, seg: int, score: float | None) -> SegmentHit:
-        start, end, _, ref = self._items[seg]
-        return SegmentHit(seg, start, end, score, ref)

@@ -42,6 +42,7 @@ from agentwin.window_chunk import ChunkId, ChunkRecord, key_summary, timed
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats, kv_nbytes
 from kamera_core import patch as kp
+from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
 EVICTION = ("fifo", "lru")
@@ -323,10 +324,9 @@ class Window:
         if not candidates:
             return []
         ids = self._query_ids(query)
-        q = torch.nn.functional.normalize(self.km.key_summary(ids).float(), dim=-1)
+        q = self.km.key_summary(ids)
         self._stats.count("retrieval", int(ids.numel()))
-        stacked = torch.stack([self._chunks[c].summary for c in candidates]).float()
-        scores = (torch.nn.functional.normalize(stacked, dim=-1) * q).sum(-1).mean(-1).tolist()
+        scores = layer_cosine(q, torch.stack([self._chunks[c].summary for c in candidates])).tolist()
         ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
         return [(ChunkId(c), float(score)) for c, score in ranked[:k]]
 

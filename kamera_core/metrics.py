@@ -1,4 +1,5 @@
-"""Fidelity metrics between two next-token distributions (pure tensor functions)."""
+"""Fidelity metrics between two next-token distributions, and the similarity retrieval ranks by
+(pure tensor functions)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor, log_probs: bool 
 def top1_agrees(reference: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether the most likely next token is the same (ties broken by lowest id on both sides)."""
     return bool(int(reference.argmax(-1).reshape(-1)[0]) == int(other.argmax(-1).reshape(-1)[0]))
+
+
+def layer_cosine(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Similarity of each candidate summary `[N, layers, width]` to the query's `[layers, width]`:
+    cosine per layer, averaged over layers (so no layer wins by the scale of its keys). `[N]`."""
+    if query.dim() != 2 or candidates.dim() != 3 or candidates.shape[1:] != query.shape:
+        raise ValueError(f"summaries must be [layers, width] from one model: query {tuple(query.shape)}, "
+                         f"candidates {tuple(candidates.shape)}")
+    q = torch.nn.functional.normalize(query.float(), dim=-1)
+    return (torch.nn.functional.normalize(candidates.float(), dim=-1) * q).sum(-1).mean(-1)

@@ -1,4 +1,4 @@
-"""VideoEnv over mp4 files written here with PyAV (libx264), read by the real readers; SegmentIndex."""
+"""VideoEnv over mp4 files written here with PyAV (libx264), read by the real readers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 from agents.base import ActionError, Env, EnvError
-from agents.video import SegmentIndex, VideoEnv
+from agents.video import VideoEnv
 
 SECONDS, FPS, W, H = 12, 10, 64, 48
 # One colour per second of video: a frame's colour tells which second it comes from.
@@ -158,45 +157,3 @@ def test_truncated_file_with_its_index_serves_the_readable_part(videos):
         warnings.simplefilter("error")  # the whole file: no warning
         assert not VideoEnv(videos / "faststart.mp4", backend="pyav").truncated
 
-
-def test_segment_index_finds_the_segment_for_a_question():
-    gen = torch.Generator().manual_seed(0)
-    summaries = [torch.randn(4, 16, generator=gen) for _ in range(6)]
-    index = SegmentIndex()
-    for i, s in enumerate(summaries):
-        index.add(i, 4.0 * i, 4.0 * i + 4, s, ref=f"chunk-{i}")
-    question = summaries[3] + 0.3 * torch.randn(4, 16, generator=gen)
-    hits = index.top_k(question, k=3)
-    assert [h.segment for h in hits][0] == 3 and hits[0].ref == "chunk-3"
-    assert hits[0].score > hits[1].score >= hits[2].score and len(hits) == 3
-    assert (hits[0].start, hits[0].end) == (12.0, 16.0)
-    assert index.at(5.0).segment == 1 and index.at(24.0).segment == 5 and index.at(24.5) is None
-    assert index.at(4.0).segment == 1  # a boundary belongs to the segment it starts
-
-
-def test_segment_index_averages_cosine_over_layers():
-    # Segment 0 matches the question on layer 0 only, whose keys are 100× larger; segment 1 on
-    # layers 1 and 2. Over the flattened vector segment 0 would win; per layer, segment 1 does.
-    e = torch.eye(3)
-    question = torch.stack([100 * e[0], e[1], e[2]])
-    index = SegmentIndex()
-    index.add(0, 0.0, 4.0, torch.stack([100 * e[0], e[0], e[0]]))
-    index.add(1, 4.0, 8.0, torch.stack([100 * e[1], e[1], e[2]]))
-    flat = [torch.nn.functional.cosine_similarity(s.flatten(), question.flatten(), dim=0).item()
-            for s in (torch.stack([100 * e[0], e[0], e[0]]), torch.stack([100 * e[1], e[1], e[2]]))]
-    assert flat[0] > flat[1]
-    hits = index.top_k(question, k=2)
-    assert [h.segment for h in hits] == [1, 0]
-    assert hits[0].score == pytest.approx(2 / 3) and hits[1].score == pytest.approx(1 / 3)
-
-
-def test_segment_index_refuses_mismatched_summaries():
-    index = SegmentIndex()
-    assert index.top_k(torch.ones(2, 4)) == []
-    index.add(0, 0.0, 4.0, torch.ones(2, 4))
-    with pytest.raises(ValueError, match="same model"):
-        index.add(1, 4.0, 8.0, torch.ones(3, 4))
-    with pytest.raises(ValueError, match="same model"):
-        index.top_k(torch.ones(2, 5))
-    with pytest.raises(ValueError, match=r"\[layers, width\]"):
-        index.add(1, 4.0, 8.0, torch.ones(8))

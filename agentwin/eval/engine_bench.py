@@ -49,6 +49,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kamera_core.metrics import kl_divergence
+
 CHECKPOINTS = (10, 50, 200)
 PARTS = ("recall", "decode", "rss")
 HEADLINE = ("recall_bytes_written", "recall_over_query_forward", "decode_ratio_vs_sdpa_16seg", "rss_growth_10_to_200")
@@ -152,11 +154,6 @@ def _held_ptrs(win: Any) -> set[int]:
     return ptrs
 
 
-def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    p, q = p.double(), q.double()
-    return float((p.exp() * (p - q)).sum())
-
-
 # ---- parts -------------------------------------------------------------------------------------
 
 
@@ -230,7 +227,7 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
         "recall_over_query_forward_min": segment["min_s"] / query_alone["min_s"],
         "speedup_vs_materialised": mat["median_s"] / segment["median_s"],
         "speedup_vs_reprefill": full["median_s"] / segment["median_s"],
-        "first_tokens": first_tokens, "kl_vs_reprefill": _kl(reference, logprobs),
+        "first_tokens": first_tokens, "kl_vs_reprefill": kl_divergence(reference, logprobs, log_probs=True),
         "forwards_at_recall": {k: int(v) for k, v in stats.forwards.items()},
     }
 

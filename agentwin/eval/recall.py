@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from agentwin.eval.runs import ForwardCounter, kinds, timing
+from kamera_core.metrics import kl_divergence
 
 POLICIES = (("origin", "origin"), ("blind", "none"))
 # Qwen2.5-VL-3B-Instruct's published dimensions (text: 36 layers; vision tower: 32 blocks).
@@ -230,12 +231,6 @@ def encoder_cache_features(win: Any) -> Callable[[Any], dict]:
     return features
 
 
-def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(ref || mine) in nats of the two next-token distributions (float64)."""
-    ref, mine = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1)
-    return float((ref.exp() * (ref - mine)).sum())
-
-
 def _delta(before: Any, after: Any) -> dict[str, Any]:
     """The window's work between two `stats()` snapshots (dicts from `_stats_dict`)."""
     out = {k: after[k] - before[k] for k in ("relocations", "relocated_tokens", "conditioned_passes", "patch_hits",
@@ -387,7 +382,7 @@ def measure(wl: Workload, repeats: int, rank: int, log: Callable[[str], None]) -
         entry = {**timing(times[side]), "work": _same_each_time(f"{wl.name}/{side}", works[side]),
                  "first_token": int(logits[side].argmax()),
                  "first_token_same": int(logits[side].argmax()) == int(ref.argmax()),
-                 "kl_vs_reprefill": kl(ref, logits[side])}
+                 "kl_vs_reprefill": kl_divergence(ref.reshape(-1), logits[side].reshape(-1))}
         if side in untimed:
             entry["untimed_work"] = _same_each_time(f"{wl.name}/{side} untimed", untimed[side])
         if side == "reprefill_cached_vision":

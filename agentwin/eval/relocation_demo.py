@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kamera_core.metrics import kl_divergence
+
 CONTEXT_A = (
     "Field notes from the Velmora survey. The harbour master is Anja Roth; she keeps the tide "
     "log. The lighthouse keeper is Tobias Mertens, who repairs the fog horn every spring. The "
@@ -58,13 +60,6 @@ def _median_time(fn, repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) of the next-token distributions, in nats, computed in float64."""
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def measure(model: Any, tokenizer: Any, start: int, new_tokens: int, log=print) -> dict:
@@ -112,13 +107,13 @@ def measure(model: Any, tokenizer: Any, start: int, new_tokens: int, log=print) 
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantized to fp32)",
         "tokens": {"A": int(a.shape[0]), "B": int(b.shape[0]), "question": int(q.shape[0])},
         "encoded_at_start": start,
-        "relocated_kl": _kl(reference, reused_logits),
+        "relocated_kl": kl_divergence(reference, reused_logits),
         "relocated_max_logit_diff": float((reference - reused_logits).abs().max()),
         "relocated_top1_agrees": bool(reference.argmax() == reused_logits.argmax()),
         "greedy_identical": reference_text == reused_text,
         "reference_continuation": reference_text,
         "relocated_continuation": reused_text,
-        "blind_reuse_kl": _kl(reference, blind_logits),
+        "blind_reuse_kl": kl_divergence(reference, blind_logits),
         "blind_top1_agrees": bool(reference.argmax() == blind_logits.argmax()),
         "relocate_ms": relocate_s * 1e3,
         "reprefill_ab_ms": prefill_ab_s * 1e3,

@@ -22,9 +22,7 @@ import contextlib
 import os
 import statistics
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -83,29 +81,6 @@ def _site() -> dict[str, str]:
     return site
 
 
-class _Handler(BaseHTTPRequestHandler):
-    site: dict[str, str] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = self.site.get(self.path.split("?")[0])
-        data = (body or "<html><body>not found</body></html>").encode()
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-def _serve() -> tuple[ThreadingHTTPServer, str]:
-    handler = type("SiteHandler", (_Handler,), {"site": _site()})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_port}/"
-
-
 @contextlib.contextmanager
 def _environment(kind: str, workdir: Path, km: Any) -> Iterator[Any]:
     if kind == "doc":
@@ -119,14 +94,14 @@ def _environment(kind: str, workdir: Path, km: Any) -> Iterator[Any]:
     elif kind == "web":
         from agents.web import BrowserEnv
 
-        server, url = _serve()
-        env = BrowserEnv(url, screenshot=bool(getattr(km, "is_vlm", False)), timeout_s=30)
-        try:
-            yield env
-        finally:
-            env.close()
-            server.shutdown()
-            server.server_close()
+        from agents.local_site import serve
+
+        with serve(_site()) as base:
+            env = BrowserEnv(f"{base}/", screenshot=bool(getattr(km, "is_vlm", False)), timeout_s=30)
+            try:
+                yield env
+            finally:
+                env.close()
     else:
         raise ValueError(f"unknown agent {kind!r}; choose from {', '.join(AGENTS)}")
 

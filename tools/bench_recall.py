@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 from typing import Any
@@ -123,16 +121,5 @@ def run(args: argparse.Namespace) -> int:
         "load_average_start": load_start, "load_average_end": runs.load_average(),
         "seconds_total": time.perf_counter() - started,
     }
-    encoded = json.dumps(data, indent=1)
-    text = recall_page.render(json.loads(encoded))  # the page shows what the JSON holds
-    print("\n" + text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(encoded + "\n")
-        print(f"figures written to {args.json}")
-    page = args.page or (os.path.join(os.path.dirname(args.json), "RECALL.md") if args.json else None)
-    if page:
-        with open(page, "w") as fh:
-            fh.write(text)
-        print(f"page written to {page}")
+    runs.write_results(data, recall_page.render, args.json, args.page, "RECALL.md")
     return 0

@@ -10,8 +10,6 @@ results page (`--page`, default WINDOW.md next to FILE) from them.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -57,16 +55,5 @@ def run(args: argparse.Namespace) -> int:
         "load_average_start": load_start, "load_average_end": runs.load_average(),
         "seconds_total": time.perf_counter() - started,
     }
-    encoded = json.dumps(data, indent=1)
-    text = window_ops.render(json.loads(encoded))  # the page shows what the JSON holds
-    print("\n" + text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(encoded + "\n")
-        print(f"figures written to {args.json}")
-    page = args.page or (os.path.join(os.path.dirname(args.json), "WINDOW.md") if args.json else None)
-    if page:
-        with open(page, "w") as fh:
-            fh.write(text)
-        print(f"page written to {page}")
+    runs.write_results(data, window_ops.render, args.json, args.page, "WINDOW.md")
     return 0

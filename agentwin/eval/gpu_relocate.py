@@ -13,27 +13,10 @@ device-to-device copy of the same bytes (`copy_` into a preallocated tensor) is 
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
 
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int, repeats: int) -> float:
-    """Median over `repeats` of the mean milliseconds per call of `fn`, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+from agentwin.eval.runs import device_time_ms
 
 
 def gbytes_per_s(num_bytes: int, ms: float) -> float:
@@ -64,11 +47,11 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     # callers do (from the caching allocator, so no cudaMalloc in the timed loop).
     dst = torch.empty_like(keys)
 
-    copy_ms = time_ms(lambda: dst.copy_(keys), args.warmup, args.iters, args.repeats)
-    kernel_ms = time_ms(lambda: rotate_triton(keys, cos, sin, "half"), args.warmup, args.iters, args.repeats)
+    copy_ms = device_time_ms(lambda: dst.copy_(keys), device, args.warmup, args.iters, args.repeats)
+    kernel_ms = device_time_ms(lambda: rotate_triton(keys, cos, sin, "half"), device, args.warmup, args.iters, args.repeats)
     # The torch path is several times slower; fewer launches keep the run short.
     torch_iters = max(1, args.iters // 10)
-    torch_ms = time_ms(lambda: rotate_reference(keys, cos, sin, "half"), 2, torch_iters, args.repeats)
+    torch_ms = device_time_ms(lambda: rotate_reference(keys, cos, sin, "half"), device, 2, torch_iters, args.repeats)
 
     out = rotate_triton(keys, cos, sin, "half")
     ref = rotate_reference(keys, cos, sin, "half")
@@ -106,7 +89,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         def patched() -> torch.Tensor:
             return rotate_triton(keys, cos, sin, "half", u, vt)
 
-        patched_ms = time_ms(patched, args.warmup, args.iters, args.repeats)
+        patched_ms = device_time_ms(patched, device, args.warmup, args.iters, args.repeats)
         patched_err = max_abs(patched().double() - rotate_reference(keys, cos, sin, "half", u, vt).double())
         record |= {
             "patch_rank": args.rank,

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+
+from agentwin.eval.runs import device_time_ms
 
 
 def apply_tiny(args: argparse.Namespace) -> argparse.Namespace:
@@ -47,29 +48,6 @@ def apply_tiny(args: argparse.Namespace) -> argparse.Namespace:
 def ints(text: str) -> list[int]:
     """The integers of a comma-separated list."""
     return [int(x) for x in text.split(",") if x]
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, repeats: int) -> float:
-    """Median over `repeats` of the mean milliseconds per call (CUDA events on a GPU, wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
 
 
 def host_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -208,7 +186,7 @@ def run_timings(args: argparse.Namespace, device: torch.device, spec) -> list[di
     scaling = args.head_dim**-0.5
 
     def timed(fn: Callable[[], object]) -> float:
-        return time_ms(fn, device, args.warmup, args.iters, args.repeats)
+        return device_time_ms(fn, device, args.warmup, args.iters, args.repeats)
 
     records = []
     for num_keys in ints(args.keys):
@@ -283,7 +261,7 @@ def run_tuning(args: argparse.Namespace, device: torch.device, spec) -> list[dic
 
             record = {"keys": num_keys, "segments": num_segments, "tq": tq} | knob
             try:
-                record["triton_ms"] = time_ms(call, device, args.warmup, args.iters, args.repeats)
+                record["triton_ms"] = device_time_ms(call, device, args.warmup, args.iters, args.repeats)
             except OutOfResources as err:  # a block too large for shared memory: reported, not fatal
                 record["error"] = str(err)
             records.append(record)

@@ -10,9 +10,11 @@ actually ran, and count the work of baselines that do not go through a window.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -118,3 +120,46 @@ def kinds(forward_tokens: dict[str, int]) -> dict[str, int]:
     order = [k for k in FORWARD_KINDS if forward_tokens.get(k)] + \
         sorted(k for k in forward_tokens if k not in FORWARD_KINDS and forward_tokens[k])
     return {k: int(forward_tokens[k]) for k in order}
+
+
+def write_results(data: dict, render: Callable[[dict], str], json_path: str | None, page_path: str | None,
+                  page_name: str, log: Callable[[str], None] = print) -> str:
+    """Print and write a benchmark's results: the page is rendered from the JSON as written (so it
+    shows exactly what the file holds); it goes to `page_path`, or to `page_name` beside the JSON
+    file when only that is given. Returns the page's text."""
+    encoded = json.dumps(data, indent=1)
+    text = render(json.loads(encoded))
+    log("\n" + text)
+    if json_path:
+        with open(json_path, "w") as fh:
+            fh.write(encoded + "\n")
+        log(f"figures written to {json_path}")
+    page = page_path or (os.path.join(os.path.dirname(json_path), page_name) if json_path else None)
+    if page:
+        with open(page, "w") as fh:
+            fh.write(text)
+        log(f"page written to {page}")
+    return text
+
+
+def device_time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, repeats: int) -> float:
+    """Median over `repeats` of the mean milliseconds per call (CUDA events on a GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)

@@ -9,11 +9,8 @@ between runs.
 from __future__ import annotations
 
 import random
-import threading
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -78,40 +75,6 @@ def site_html(paragraphs: int, seed: int = 1) -> dict[str, str]:
             body.append('<form action="/search" method="get"><input name="q" placeholder="Search"><button>Go</button></form>')
         pages[f"/{slug}.html"] = f"<!doctype html><html><head><title>{title}</title></head><body>{''.join(body)}</body></html>"
     return pages
-
-
-@contextmanager
-def serve(pages: dict[str, str]) -> Iterator[str]:
-    """Serve `pages` (path -> HTML) on 127.0.0.1 at a free port; yields the base URL."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            path = self.path.split("?")[0]
-            body = pages.get("/index.html" if path == "/" else path)
-            if path == "/search":
-                q = self.path.partition("q=")[2]
-                body = f"<html><head><title>Search</title></head><body><p>No results for {q}.</p></body></html>"
-            if body is None:
-                self.send_error(404)
-                return
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # ---- the video ---------------------------------------------------------------------------------

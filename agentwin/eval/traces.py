@@ -191,7 +191,8 @@ def web_trace(km: Any, quick: bool) -> Trace:
     The browser has no forward action: going forward again after a back is a click on the same
     link (or a goto of its URL), which reaches the same content."""
     from agents.web import BrowserEnv
-    from agentwin.eval.trace_sources import serve, site_html
+    from agents.local_site import serve
+    from agentwin.eval.trace_sources import site_html
 
     pages = site_html(1 if quick else 2)
     if quick:

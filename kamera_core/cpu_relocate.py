@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import torch
 
@@ -96,8 +96,6 @@ class _Kernel:
 
 _K = TypeVar("_K")
 
-_LOCK = threading.Lock()
-_STATE: dict[str, object] = {"kernel": None, "tried": False, "reason": None}
 
 
 def _disabled_reason() -> str | None:
@@ -195,21 +193,55 @@ def _load_library(source: str, name: str, make: Callable[[Path, tuple[str, ...],
     return None, "could not build the C kernel: " + " | ".join(errors)
 
 
+class LazyKernel(Generic[_K]):
+    """A C kernel built (or found in the cache) and loaded on first use, once per process and
+    thread-safe. `get()` is the kernel, or None after one RuntimeWarning saying that `fallback`
+    is used instead (no warning when the kernel was disabled on purpose)."""
+
+    def __init__(self, load: Callable[[], tuple[_K | None, str | None]], what: str, fallback: str) -> None:
+        self._load, self._what, self._fallback = load, what, fallback
+        self._lock = threading.Lock()
+        self.kernel: _K | None = None
+        self.tried = False
+        self.reason: str | None = None
+
+    def fresh(self) -> "LazyKernel[_K]":
+        """The same loader, not tried yet."""
+        return LazyKernel(self._load, self._what, self._fallback)
+
+    def get(self) -> _K | None:
+        if self.tried:
+            return self.kernel
+        with self._lock:
+            if not self.tried:
+                self.kernel, self.reason = self._load()
+                self.tried = True
+                if self.kernel is None and self.reason != _disabled_reason():
+                    warnings.warn(f"kamera_core.{self._what}: {self.reason}; {self._fallback}", RuntimeWarning,
+                                  stacklevel=4)
+        return self.kernel
+
+    def status(self, extra: Callable[[_K | None], dict[str, object]]) -> dict[str, object]:
+        """available, path, flags, build_s, cached (see `kernel_status`), then `extra(kernel)`, then
+        reason; builds the kernel if not tried yet."""
+        kernel = self.get()
+        out: dict[str, object] = {
+            "available": kernel is not None,
+            "path": str(kernel.path) if kernel else None,  # type: ignore[attr-defined]
+            "flags": list(_BASE_FLAGS + kernel.flags) if kernel else None,  # type: ignore[attr-defined]
+            "build_s": kernel.build_s if kernel else None,  # type: ignore[attr-defined]
+            "cached": kernel.cached if kernel else None,  # type: ignore[attr-defined]
+        }
+        return {**out, **extra(kernel), "reason": self.reason}
+
+
+_KERNEL: LazyKernel[_Kernel] = LazyKernel(_load_kernel, "cpu_relocate",
+                                          "relocation on CPU uses the slower rotate_reference")
+
+
 def _kernel() -> _Kernel | None:
     """The loaded kernel, building it on first use; None (after one warning) when unavailable."""
-    if _STATE["tried"]:
-        return _STATE["kernel"]  # type: ignore[return-value]
-    with _LOCK:
-        if not _STATE["tried"]:
-            kernel, reason = _load_kernel()
-            _STATE.update(kernel=kernel, reason=reason, tried=True)
-            if kernel is None and reason != _disabled_reason():
-                warnings.warn(
-                    f"kamera_core.cpu_relocate: {reason}; relocation on CPU uses the slower rotate_reference",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-    return _STATE["kernel"]  # type: ignore[return-value]
+    return _KERNEL.get()
 
 
 def kernel_status() -> dict[str, object]:
@@ -219,16 +251,7 @@ def kernel_status() -> dict[str, object]:
     when cached), cached (the build came from an earlier process), dtypes (supported keys/compute
     dtype pairs), reason (why not available, else None).
     """
-    kernel = _kernel()
-    return {
-        "available": kernel is not None,
-        "path": str(kernel.path) if kernel else None,
-        "flags": list(_BASE_FLAGS + kernel.flags) if kernel else None,
-        "build_s": kernel.build_s if kernel else None,
-        "cached": kernel.cached if kernel else None,
-        "dtypes": [f"{k}/{c}".replace("torch.", "") for k, c in kernel.functions] if kernel else [],
-        "reason": _STATE["reason"],
-    }
+    return _KERNEL.status(lambda k: {"dtypes": [f"{a}/{c}".replace("torch.", "") for a, c in k.functions] if k else []})
 
 
 def _check_args(

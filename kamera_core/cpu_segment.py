@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import threading
-import warnings
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from kamera_core.cpu_relocate import _BASE_FLAGS, _disabled_reason, _load_library
+from kamera_core.cpu_relocate import LazyKernel, _load_library
 from kamera_core.patch import Factors
 from kamera_core.rope import RopeSpec
 from kamera_core.segment import Segment, check_segments, segment_attention_reference
@@ -86,26 +84,14 @@ class _SegmentKernel:
         self._lib = lib  # keeps the library loaded
 
 
-_LOCK = threading.Lock()
-_STATE: dict[str, object] = {"kernel": None, "tried": False, "reason": None}
+_KERNEL: LazyKernel[_SegmentKernel] = LazyKernel(
+    lambda: _load_library(_C_SOURCE, "cpu_segment", _SegmentKernel), "cpu_segment",
+    "segment attention on CPU uses the slower segment_attention_reference")
 
 
 def _kernel() -> _SegmentKernel | None:
     """The loaded kernel, building it on first use; None (after one warning) when unavailable."""
-    if _STATE["tried"]:
-        return _STATE["kernel"]  # type: ignore[return-value]
-    with _LOCK:
-        if not _STATE["tried"]:
-            kernel, reason = _load_library(_C_SOURCE, "cpu_segment", _SegmentKernel)
-            _STATE.update(kernel=kernel, reason=reason, tried=True)
-            if kernel is None and reason != _disabled_reason():
-                warnings.warn(
-                    f"kamera_core.cpu_segment: {reason}; segment attention on CPU uses the slower "
-                    "segment_attention_reference",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-    return _STATE["kernel"]  # type: ignore[return-value]
+    return _KERNEL.get()
 
 
 def kernel_status() -> dict[str, object]:
@@ -116,17 +102,8 @@ def kernel_status() -> dict[str, object]:
     dtypes (query/key dtypes the kernel takes; others use the reference), reason (why not
     available, else None).
     """
-    kernel = _kernel()
-    return {
-        "available": kernel is not None,
-        "path": str(kernel.path) if kernel else None,
-        "flags": list(_BASE_FLAGS + kernel.flags) if kernel else None,
-        "build_s": kernel.build_s if kernel else None,
-        "cached": kernel.cached if kernel else None,
-        "simd": ("avx2" if kernel.simd else "scalar") if kernel else None,
-        "dtypes": [str(d).replace("torch.", "") for d in _DTYPE_CODES] if kernel else [],
-        "reason": _STATE["reason"],
-    }
+    return _KERNEL.status(lambda k: {"simd": ("avx2" if k.simd else "scalar") if k else None,
+                                     "dtypes": [str(d).replace("torch.", "") for d in _DTYPE_CODES] if k else []})
 
 
 # spec.inv_freq -> {shift: (cos bytes, sin bytes)}: float32 rows `[rotary_dim // 2]` of −shift·f.

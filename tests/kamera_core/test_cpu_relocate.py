@@ -158,7 +158,7 @@ def test_bad_arguments():
 
 
 def _fresh_state(monkeypatch):
-    monkeypatch.setattr(cpu_relocate, "_STATE", {"kernel": None, "tried": False, "reason": None})
+    monkeypatch.setattr(cpu_relocate, "_KERNEL", cpu_relocate._KERNEL.fresh())
 
 
 def test_disabled_kernel_uses_reference(monkeypatch):

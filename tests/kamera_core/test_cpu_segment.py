@@ -295,7 +295,7 @@ def test_dispatch_backend_cpu():
 
 
 def _fresh_state(monkeypatch):
-    monkeypatch.setattr(cpu_segment, "_STATE", {"kernel": None, "tried": False, "reason": None})
+    monkeypatch.setattr(cpu_segment, "_KERNEL", cpu_segment._KERNEL.fresh())
 
 
 def test_disabled_kernel_uses_reference(monkeypatch):

@@ -355,3 +355,17 @@ def test_identity_factors_reproduce_the_deficit_bit_for_bit(shape):
     assert torch.equal(patched, canonical + delta)
     with pytest.raises(ValueError, match="tokens and features"):
         kp.identity_factors(torch.zeros(0, 4))
+
+
+@pytest.mark.parametrize("method", ["plain", "query", "rows", "query+rows"])
+def test_short_chunk_fit_matches_the_full_decomposition(method):
+    # Fewer tokens than features: a truncated fit takes the T×T route; its product must be the
+    # full decomposition's truncated to the same rank.
+    delta, metric, w = _case("wide", seed=11)
+    m = metric if "query" in method else None
+    rw = w if "rows" in method else None
+    full = kp.fit_with_gains(delta, m, rw)[0]
+    for rank in (1, 4, 9):
+        got, ref = fit(delta, rank, m, rw), full.truncate(rank)
+        assert got.rank == rank
+        assert (got.dense() - ref.dense()).abs().max() < 1e-5 * delta.abs().max(), (method, rank)

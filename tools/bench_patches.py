@@ -16,7 +16,7 @@ measurements are `agentwin.eval.harness`.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 
@@ -34,15 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="patch factor storage (default fp16)")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
     parser.add_argument("--plot", metavar="PNG", help="write the KL-versus-bytes plot to PNG")
+    parser.add_argument("--page", metavar="FILE", help="the results page (default: PATCHES.md next to the --json file)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.models.zoo import load_smollm2
+    from agentwin.eval import patches_page, runs
     from agentwin.eval.plots import plot_kl_vs_bytes
+    from agentwin.models.zoo import load_smollm2
 
     if args.seeds < 1 or args.orbit_seeds < 0:
         print("error: --seeds must be >= 1 and --orbit-seeds >= 0", file=sys.stderr)
         return 2
+    started, load_start = time.perf_counter(), runs.load_average()
     print("loading SmolLM2-135M-Instruct ...", flush=True)
     model, tokenizer = load_smollm2(torch.float32)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
@@ -60,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"method": "blind", "bytes_frac": 0.0, "kl": summary["blind_kl"]})
         plot_kl_vs_bytes(rows, args.plot, f"SmolLM2-135M: KL vs patch bytes ({len(seeds)} seeds)")
         print(f"plot written to {args.plot}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({**summary, "cases": cases, "orbit": orbits, "storage": args.storage}, fh, indent=1)
-        print(f"figures written to {args.json}")
+    data = {**summary, "cases": cases, "orbit": orbits, "storage": args.storage,
+            "command": runs.command_of("agentwin bench patches", args, add_arguments),
+            "plot": os.path.basename(args.plot) if args.plot else None, "threads": torch.get_num_threads(),
+            "machine": runs.machine(), "load_average_start": load_start, "load_average_end": runs.load_average(),
+            "seconds_total": time.perf_counter() - started}
+    if args.json or args.page:
+        runs.write_results(data, patches_page.render, args.json, args.page, "PATCHES.md",
+                           log=lambda line: None if line.startswith("\n") else print(line))
     return 0

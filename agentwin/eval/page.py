@@ -178,8 +178,9 @@ def smollm2_section(res: dict, paper: dict) -> list[str]:
     lines = ["## 2. Fidelity on SmolLM2-135M-Instruct", "",
              f"Generated cases (`agentwin.eval.datasets`): validation seeds {res['validation_seeds']}, test seeds "
              f"{res['test_seeds']}, {res['queries']} questions each. Each trace's queries are read after the method's "
-             f"KV and compared with a full re-prefill: mean next-token KL, top-1 agreement and (test only) the share "
-             f"of queries whose first {res['greedy_tokens']} greedy tokens are identical. Origin patches are fitted "
+             f"KV and compared with a full re-prefill: mean next-token KL, top-1 agreement and (test only; for the "
+             f"settings chosen on validation, the anchors' paper settings, full and blind reuse) the share of "
+             f"queries whose first {res['greedy_tokens']} greedy tokens are identical. Origin patches are fitted "
              "on the appended chunks [A, B, E1, E2]. recall: [A′, B], A′ = two or three neutral preamble sentences "
              "+ A. reorder: [A, E2, B, E1]; the orbit patch is fitted on the other five orders of {B, E1, E2}. "
              "slide: A evicted, [B, E1, E2]; B is exact there, E1 and E2 keep the patches fitted with A present. "

@@ -23,7 +23,7 @@ BINDING_BUDGETS = (0.03, 0.06, 0.12, 0.25, 0.5)
 KAMERA_BUDGETS = (0.03, 0.06, 0.12, 0.25)
 GREEDY = 16
 QUICK_SWEEPS = {"cacheblend": (0.15,), "epic": (16, 64), "vlcache": (0.05,)}
-# SmolLM2 reads every setting with 16 greedy tokens per query: a shorter sweep keeps the run short.
+# SmolLM2's test cases decode 16 greedy tokens per query for the chosen settings: a shorter sweep keeps the run short.
 SMOLLM2_SWEEPS = {"cacheblend": (0.05, 0.15, 0.40), "epic": (16, 64, 128), "vlcache": (0.05, 0.20, 0.40)}
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, metrics as mt
+from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, metrics as mt, selection
 from agentwin.eval.datasets import make_case
 
 PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-query-int8", "kamera-alloc")
@@ -64,11 +64,13 @@ def _kv_bytes(kv) -> int:
     return sum((k.numel() + v.numel()) * 2 for k, v in kv)
 
 
-def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict | None = None) -> list[dict]:
+def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict | None = None,
+                greedy_for: set[tuple[str, str]] | None = None) -> list[dict]:
     """Every method of `plan` on one context. conds[i]: the `Conditioning` of context chunk i in
     the context its patch was fitted in (None: no patch for that chunk); orbit: {"members":
     context indices of the reordered set, "head": the chunks read before it, "leave_out": the
-    scored order, left out of the fit}. Returns one scored row per method."""
+    scored order, left out of the fit}; greedy_for: the (method, setting) pairs that also decode
+    `greedy` tokens (None: all). Returns one scored row per method."""
     model, layers = ctx.model, len(ctx.full_kv)
     fits: dict[tuple[str, int], Any] = {}
     fit_s: dict[str, float] = {}
@@ -128,8 +130,15 @@ def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict
             patches = [chosen.get(i) for i in range(1, len(ctx.chunks))]
             res = ek.method_patched(ctx, method, setting, patches, build, build_tl)
         done.append((res, p))
-    # The queries are read for every method at once (one batched forward per decoding step).
-    rows = mt.score_many(ctx, [res for res, _ in done], greedy)
+    # The queries are read for several methods at once (one batched forward per decoding step);
+    # only the methods in `greedy_for` decode.
+    decode = [greedy_for is None or (res.method, res.setting) in greedy_for for res, _ in done]
+    scored = {}
+    for flag in (True, False):
+        idx = [i for i, d in enumerate(decode) if d == flag]
+        for i, row in zip(idx, mt.score_many(ctx, [done[i][0] for i in idx], greedy if flag else 0)):
+            scored[i] = row
+    rows = [scored[i] for i in range(len(done))]
     for row, (_, p) in zip(rows, done):
         row["param"] = p
     return rows
@@ -182,7 +191,8 @@ def preamble(seed: int) -> str:
 
 
 def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries: int | None, sweeps=SWEEPS,
-                      traces: Sequence[str] = TRACES, max_tokens: int | None = None) -> list[dict]:
+                      traces: Sequence[str] = TRACES, max_tokens: int | None = None,
+                      greedy_for: dict[str, set[tuple[str, str]]] | None = None) -> list[dict]:
     """Every trace of one case. Origin patches are fitted on the appended chunks [A, B, E1, E2]
     (one conditioned pass); each trace reads the chunks in another context. `max_tokens` cuts
     every chunk to its first tokens (a quick check only)."""
@@ -213,7 +223,9 @@ def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries:
             raise ValueError(f"unknown trace {trace!r}")
         ctx = cx.build_context(model, final, queries, greedy=greedy)
         conds = [None] + [conds_by.get(id(c)) for c in final[1:]]
-        for r in run_context(ctx, conds, method_plan(budgets, sweeps, orbit=orbit is not None), greedy, orbit):
+        plan = method_plan(budgets, sweeps, orbit=orbit is not None)
+        decode = None if greedy_for is None else greedy_for.get(trace, set())
+        for r in run_context(ctx, conds, plan, greedy, orbit, decode):
             out.append({"trace": trace, "queries": len(queries), **r})
     return out
 
@@ -221,16 +233,35 @@ def smollm2_case_rows(model, tokenizer, case, budgets, greedy: int, max_queries:
 def smollm2_workload(model, tokenizer, val_seeds: Sequence[int], test_seeds: Sequence[int], budgets, greedy: int,
                      max_queries: int | None, sweeps=SWEEPS, log: Callable[[str], None] = print,
                      max_tokens: int | None = None) -> dict:
-    """Validation cases are scored by KL only (no greedy decoding); test cases also by greedy."""
+    """Validation cases are scored by KL only. Test cases are scored by KL for every setting, and
+    by greedy decoding for the settings chosen on validation (per trace, family and cost cap), the
+    anchors' paper settings, full and blind reuse: the rows the page reports greedy agreement for."""
     rows = []
     t0 = time.perf_counter()
+    decode = None
     for split, seeds, steps in (("validation", val_seeds, 0), ("test", test_seeds, greedy)):
+        if split == "test":
+            decode = greedy_settings(rows)
         for seed in seeds:
             for r in smollm2_case_rows(model, tokenizer, make_case(seed), budgets, steps, max_queries, sweeps,
-                                       max_tokens=max_tokens):
+                                       max_tokens=max_tokens, greedy_for=decode):
                 rows.append({"split": split, "seed": seed, **r})
             log(f"  smollm2 {split} case {seed} done ({time.perf_counter() - t0:.0f} s)")
-    return {"rows": rows, "greedy_tokens": greedy, "validation_seeds": list(val_seeds), "test_seeds": list(test_seeds)}
+    return {"rows": rows, "greedy_tokens": greedy, "validation_seeds": list(val_seeds), "test_seeds": list(test_seeds),
+            "greedy_scored": {t: sorted(map(list, pairs)) for t, pairs in (decode or {}).items()}}
+
+
+def greedy_settings(validation_rows: Sequence[dict]) -> dict[str, set[tuple[str, str]]]:
+    """Per trace: the (method, setting) pairs test cases decode greedily: each family's setting
+    chosen on these validation rows at every cost cap, the anchors' paper settings, full and blind."""
+    fixed = {("full", ""), ("blind", "")} | {(n, setting_name(n, p)) for n, p in PAPER.items()}
+    chosen = selection.select(selection.summarise(validation_rows, ("split", "trace")), ("trace",), "kl", False)
+    out: dict[str, set[tuple[str, str]]] = {}
+    for r in validation_rows:
+        out.setdefault(r["trace"], set(fixed))
+    for c in chosen:
+        out[c["trace"]].add((c["method"], c["setting"]))
+    return out
 
 
 # ---- workload 3: multimodal plumbing ----------------------------------------------------------

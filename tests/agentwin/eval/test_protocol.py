@@ -149,3 +149,32 @@ def test_binding_patches_are_fitted_after_the_other_antecedent(monkeypatch):
     assert {"full", "blind", "epic", "kamera-alloc", "token-sparse", "oracle"} <= methods
     assert all(r["correct"] in (0.0, 1.0) for r in rows)
     assert all(r["build_compute_frac"] == pytest.approx(2.0) for r in rows if r["method"].startswith("kamera"))
+
+
+def test_only_the_chosen_and_fixed_settings_decode_greedily(reorder_ctx):
+    ctx, conds = reorder_ctx
+    ctx = cx.build_context(ctx.model, ctx.chunks, ctx.queries, greedy=3)
+    plan = wl.method_plan((0.12,), {"cacheblend": (0.15,), "epic": (4,), "vlcache": (0.05,)})
+    decode = {("full", ""), ("kamera-svd", "12.0%")}
+    rows = {(r["method"], r["setting"]): r for r in wl.run_context(ctx, conds, plan, 3, None, decode)}
+    assert {k for k, r in rows.items() if "greedy_same" in r} == decode
+    assert rows[("full", "")]["greedy_same"] == 1.0
+    everything = {(r["method"], r["setting"]): r for r in wl.run_context(ctx, conds, plan, 3)}
+    for key, r in rows.items():  # splitting the batch changes no figure
+        assert r["kl"] == pytest.approx(everything[key]["kl"], rel=1e-6, abs=1e-9), key
+    assert rows[("kamera-svd", "12.0%")]["greedy_same"] == everything[("kamera-svd", "12.0%")]["greedy_same"]
+
+
+def test_greedy_settings_are_the_validation_choices_plus_the_fixed_rows():
+    def row(trace, method, setting, kl, bytes_frac=0.0, compute_frac=0.0):
+        return {"split": "validation", "trace": trace, "method": method, "setting": setting, "param": None,
+                "kl": kl, "top1": 1.0, "bytes_frac": bytes_frac, "compute_frac": compute_frac,
+                "build_compute_frac": 1.0, "seconds": 0.0, "build_seconds": 0.0}
+
+    rows = [row("recall", "full", "", 0.0, compute_frac=1.0), row("recall", "blind", "", 0.5),
+            row("recall", "kamera-svd", "6.0%", 0.2, 0.05), row("recall", "kamera-alloc", "6.0%", 0.1, 0.06),
+            row("recall", "epic", "k=64", 0.3, compute_frac=0.2), row("recall", "epic", "k=16", 0.4, compute_frac=0.1)]
+    got = wl.greedy_settings(rows)["recall"]
+    assert ("kamera-alloc", "6.0%") in got and ("kamera-svd", "6.0%") not in got
+    assert ("epic", "k=64") in got  # chosen at the 25% compute cap
+    assert {("full", ""), ("blind", ""), ("epic", "k=16"), ("cacheblend", "15%"), ("vlcache", "r=5%")} <= got

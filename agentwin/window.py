@@ -18,6 +18,13 @@ reused for antecedents never seen), "orbit" (the fit of the mean deficit over th
 measured; `fit_orbit` adds sampled orders), "fresh" (a conditioned pass per new antecedent).
 `rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
 
+The patch guard (`guard=True`, `agentwin.guard`): a rank-limited patch is checked against blind
+reuse on the chunk's last rows, recorded during the very pass it was fitted from: layer by layer
+on their attention outputs (a key or value patch that does not lower the error is dropped, rank 0
+there), then as a whole on their next-token logits (one forward of those rows served blind and
+one served patched; a patch that does not beat blind there is dropped whole). Exact patches are
+never guarded; MLA models are not guarded (their queries are not in the cached space).
+
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
 recalled or `touch`ed least recently) until the new one fits; `slide()` does the same on demand.
@@ -34,6 +41,7 @@ from typing import Sequence
 import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
+from agentwin.guard import QueryProbe, guard_patch, tail_kl
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
@@ -46,6 +54,8 @@ from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
 EVICTION = ("fifo", "lru")
+# A guarded patch is kept only if its probe rows' next-token KL is below (1 - GUARD_MARGIN) x blind's.
+GUARD_MARGIN = 0.05
 
 
 class Window:
@@ -53,16 +63,21 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
                  rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
-                 evict: str = "fifo") -> None:
+                 evict: str = "fifo", guard: bool = True) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same
-        model is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first."""
+        model is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
+        guard: check each layer's key and value patch against blind reuse on the attention output
+        of the chunk's last rows and keep only what lowers it (`agentwin.guard`); ignored for exact
+        patches (`rank=None`) and MLA models."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
             raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
         if rank is not None and (not isinstance(rank, int) or rank < 1):
             raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
+        if not isinstance(guard, bool):
+            raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -75,6 +90,7 @@ class Window:
         self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
         self._policy = POLICY_TYPES[patch]()
         self.storage = "fp32" if rank is None else storage
+        self.guard = guard and rank is not None and km.layout.family != "mla"
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
@@ -84,7 +100,7 @@ class Window:
         self._pinned: set[ChunkId] = set()
         self._next_id = 0
         self._stats = WindowStats()
-        self._io = WindowIO(km, self.store, self._stats, rank, self.storage)
+        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard)
         self.encoder = self._io.encoder
 
     # ---- operations ---------------------------------------------------------------------------
@@ -117,10 +133,10 @@ class Window:
             # Blind reuse, or nothing before it: the chunk alone is all there is to compute.
             chunk.canonical = self._io.put_canonical(chunk, fresh)
         else:
-            exact = self._pass(chunk, self._order, start, first, "in_context")
+            exact, probed = self._pass(chunk, self._order, start, first, "in_context")
             chunk.exact = (antecedent, start, exact)
             chunk.canonical = stored if stored is not None else self._io.put_canonical(chunk, fresh)
-            self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
+            self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start, probed))
         if self._stats.num_forwards != forwards:
             chunk.served = (antecedent, start)  # computed here: not a reuse
         chunk.summary = key_summary(chunk.canonical)
@@ -396,18 +412,23 @@ class Window:
         self._stats.seconds["encode"] += time.perf_counter() - t0
         return kv
 
-    def _pass(self, chunk: ChunkRecord, antecedent: Sequence[ChunkId], start: int, first: int, kind: str) -> list[LayerKV]:
+    def _pass(self, chunk: ChunkRecord, antecedent: Sequence[ChunkId], start: int, first: int, kind: str
+              ) -> tuple[list[LayerKV], tuple | None]:
         """KV of `chunk` at `start` (token index `first`) read after `antecedent` in place: one
-        forward of the chunk's tokens (its prefill there), counted as `kind`."""
+        forward of the chunk's tokens (its prefill there), counted as `kind`. With the guard on,
+        also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
-        kv = self.km.encode_after(self._segments(antecedent), first, start, chunk.inputs, self._io.features)
+        segments = self._segments(antecedent)
+        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if self.guard else None
+        kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0
-        return kv
+        return kv, (None if probe is None else (segments, probe, first))
 
     def _fit_patch(self, chunk: ChunkRecord, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
-                   start: int) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`)."""
+                   start: int, probed: tuple | None = None) -> kp.ChunkPatch:
+        """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`);
+        guarded (`agentwin.guard`) with what the pass recorded (`probed`, from `_pass`)."""
         t0 = time.perf_counter()
         local = relocate_kv(exact, self.km.specs, self.km.layout, -start)
         deltas = kp.deficit(local, self._hold(chunk))
@@ -416,9 +437,34 @@ class Window:
             patch = kp.exact_patch(deltas)
         else:
             patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
+            if probed is not None:
+                patch = self._guard(chunk, patch, exact, start, *probed)
         self._stats.patch_bytes += patch.nbytes
         self._stats.seconds["fit_patch"] += time.perf_counter() - t0
         return patch
+
+    def _guard(self, chunk: ChunkRecord, patch: kp.ChunkPatch, exact: list[LayerKV], start: int,
+               segments: list[list[Segment]], probe: QueryProbe, first: int) -> kp.ChunkPatch:
+        """`patch` checked by `agentwin.guard`: per layer on the probe rows' attention outputs
+        (`guard_patch`), then as a whole on their next-token logits (`tail_kl`, text chunks): a
+        patch that does not beat blind reuse there by `GUARD_MARGIN` is dropped whole."""
+        canonical = self._hold(chunk)
+        guarded, report = guard_patch(patch, canonical, exact, segments, probe, self.km.specs, first, start)
+        self._stats.guarded(report)
+        if chunk.inputs.kind != "text" or probe.logits is None or guarded.nbytes == 0 or probe.rows[0] == 0:
+            return guarded  # nothing to check end to end
+        t0 = time.perf_counter()
+        scores = []
+        for candidate in (None, guarded):
+            self._stats.count("guard", int(probe.rows.numel()))
+            scores.append(tail_kl(self.km, chunk.ids, canonical, candidate, segments, probe, first, start))
+        self._stats.seconds["guard"] += time.perf_counter() - t0
+        if scores[1] < (1 - GUARD_MARGIN) * scores[0]:
+            return guarded
+        self._stats.guard_fallbacks += 1
+        self._stats.guard_dropped_bytes += guarded.nbytes
+        self._stats.guard_dropped += sum((lp.k is not None) + (lp.v is not None) for lp in guarded.layers)
+        return kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in guarded.layers), guarded.method)
 
     def _conditioned_patch(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
         """The patch of `chunk` after `antecedent_ids` from one conditioned pass, kept in the store;
@@ -426,10 +472,10 @@ class Window:
         antecedent = self._keys(antecedent_ids)
         start = self._span(antecedent_ids)
         first = sum(int(self._chunks[c].ids.numel()) for c in antecedent_ids)
-        exact = self._pass(chunk, antecedent_ids, start, first, "conditioned")
+        exact, probed = self._pass(chunk, antecedent_ids, start, first, "conditioned")
         self._stats.conditioned_passes += 1
         chunk.exact = (antecedent, start, exact)
-        return self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start))
+        return self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start, probed))
 
     def _patch_for(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
         """The stored patch for this antecedent, else the policy's (`agentwin.policies`); none at

@@ -17,11 +17,13 @@ from kamera_core import patch as kp
 
 
 class WindowIO:
-    """Store access for one window (`rank`, `storage`: the window's patch settings, part of the
-    patch keys)."""
+    """Store access for one window (`rank`, `storage`, `guard`: the window's patch settings, part
+    of the patch keys)."""
 
-    def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, rank: int | None, storage: str) -> None:
+    def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, rank: int | None, storage: str,
+                 guard: bool = False) -> None:
         self.km, self.store, self._stats, self.rank, self.storage = km, store, stats, rank, storage
+        self.method = "exact" if rank is None else f"svd{'+guard' if guard else ''}-{storage}"
         self.encoder = EncoderCache(store)
 
     def features(self, vc: VisionChunk) -> dict:
@@ -70,7 +72,7 @@ class WindowIO:
         return tensors_to_kv(hit[0]) if hit is not None else kv
 
     def patch_key(self, chunk: Any, antecedent: tuple[ChunkKey, ...]) -> ChunkKey:
-        return patch_key(chunk.key, antecedent, self.rank, "exact" if self.rank is None else f"svd-{self.storage}")
+        return patch_key(chunk.key, antecedent, self.rank, self.method)
 
     def stored_patch(self, chunk: Any, antecedent: tuple[ChunkKey, ...]) -> kp.ChunkPatch | None:
         """The patch of `chunk` for `antecedent`: this window's copy, else the store's."""

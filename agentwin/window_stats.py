@@ -10,7 +10,7 @@ import torch
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
-FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit", "retrieval")
+FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit", "retrieval", "guard")
 
 
 @dataclass
@@ -21,7 +21,8 @@ class WindowStats:
         by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
         window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
         "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`),
-        "retrieval" (a query encoded alone by `nearest`).
+        "retrieval" (a query encoded alone by `nearest`), "guard" (the patch guard's forwards of a
+        chunk's last rows, `agentwin.guard.tail_kl`).
     forwarded_tokens: all of `forward_tokens` (every token any forward of this window computed).
     relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
         chunk at that placement; `relocated_tokens` counts their tokens. A chunk served from a pass
@@ -31,6 +32,9 @@ class WindowStats:
     store_hit_tokens: tokens of chunks whose canonical KV came from the store instead of an encode.
     seconds: wall time by operation (public operations and the passes inside them); `wall_s`: wall
         time inside this window's public operations, each counted once (not nested ones).
+    guard_checked / guard_dropped / guard_dropped_bytes: patch components (one layer's key or value
+        patch) the patch guard checked, those it dropped and their bytes (`agentwin.guard`);
+        guard_fallbacks: patches the guard dropped whole (not better than blind end to end).
     held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
         in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
         store's tiers (RAM, disk, device bytes) at the last stats() call.
@@ -48,12 +52,24 @@ class WindowStats:
     encoder_calls: int = 0  # vision-tower runs
     encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
     patch_bytes: int = 0
+    guard_checked: int = 0  # patch components (a layer's k or v) the guard checked
+    guard_dropped: int = 0  # ... and dropped (they did not lower the probe error)
+    guard_dropped_bytes: int = 0
+    guard_fallbacks: int = 0  # patches dropped whole: blind reuse read the chunk's last rows as well
     held_bytes: int = 0
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     wall_s: float = 0.0
     store: object = None  # StoreStats at the last stats() call
+
+    def guarded(self, report: object) -> None:
+        """Count one `agentwin.guard.GuardReport`."""
+        checked = 2 * len(report.layers)
+        kept = sum(len(layer.choice) if layer.choice != "none" else 0 for layer in report.layers)
+        self.guard_checked += checked
+        self.guard_dropped += checked - kept
+        self.guard_dropped_bytes += report.bytes_before - report.bytes_after
 
     def count(self, kind: str, tokens: int) -> None:
         """One forward of `tokens` tokens, of `kind` (one of FORWARD_KINDS)."""

@@ -267,11 +267,17 @@ class KameraModel:
         return torch.stack([k.float().mean(0).reshape(-1) for k, _ in self.encode(ids)])
 
     def encode_after(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, start: int, chunk: ChunkInput,
-                     features: Features | None = None) -> list[LayerKV]:
+                     features: Features | None = None, probe: Any = None) -> list[LayerKV]:
         """KV of `chunk` placed at `start` (position units) and token index `first`, read after
-        the segments (the in-context or conditioned pass); owned contiguous copies at `start`."""
+        the segments (the in-context or conditioned pass); owned contiguous copies at `start`.
+        probe: an `agentwin.guard.QueryProbe` (its rows the chunk's last ones) that records the
+        queries and the next-token logits of those rows."""
         cache = self.cache(segments_per_layer, first)
-        self.forward(chunk, start, cache, features, logits_to_keep=1)
+        cache.probe = probe
+        rows = 1 if probe is None else max(1, int(probe.rows.numel()))
+        out = self.forward(chunk, start, cache, features, logits_to_keep=rows)
+        if probe is not None:
+            probe.logits = out.logits[0, -rows:].float()
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def query_logits(self, cache: Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,8 @@ class SegmentCache(Cache):
 
     segments_per_layer[i]: layer i's segments; first: token index where the tail starts;
     specs / layout: the model's RoPE specs and KV layout (the attention places segments with them).
+    probe: None, or an `agentwin.guard.QueryProbe` in which every layer's attention records the
+    post-RoPE queries of a few of the forward's rows (the patch guard's probe).
     """
 
     def __init__(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, specs: Sequence[RopeSpec],
@@ -127,6 +129,7 @@ class SegmentCache(Cache):
                              "a cache from another model?")
         super().__init__(layers=[SegmentLayer(segs, first) for segs in segments_per_layer])
         self.specs, self.layout, self.first = tuple(specs), layout, first
+        self.probe: Any = None  # an `agentwin.guard.QueryProbe` the attention fills, or None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -200,6 +203,8 @@ def segment_attention_forward(module: Any, query: torch.Tensor, key: torch.Tenso
     if query.shape[0] != 1:
         raise ValueError(f"segment attention reads one sequence at a time, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if segment_cache.probe is not None:
+        segment_cache.probe.record(layer_idx, query, scale, sliding_window, softcap)
     if not layer.segments and softcap is None:
         return _dense(module, query, key, value, attention_mask, dropout, scale, layer.first, sliding_window), None
     spec = segment_cache.specs[layer_idx]

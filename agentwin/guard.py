@@ -1,0 +1,176 @@
+"""The patch guard: keep a low-rank patch component only where it measurably helps.
+
+A low-rank patch Δ̂ of a chunk's deficit can make the chunk read worse than blind reuse (no
+patch): the best rank-m fit of Δ in the Frobenius norm is not the best correction of what
+attention computes from it. The guard checks each layer's key patch and value patch against the
+error that matters, the attention output, and drops (rank 0) what does not lower it.
+
+During the chunk's pass after its antecedent (`QueryProbe`), the attention records the chunk's
+own post-RoPE queries for a few probe rows (the last `PROBE_ROWS` rows, at most half the chunk:
+they read the whole chunk, as the questions after it will) and the pass keeps their next-token
+logits. Two checks follow, both against blind reuse:
+
+1. per layer (`guard_patch`): the attention output of the probe rows over [the antecedent's KV
+   as the window served it in that pass, the chunk's KV] with the chunk's KV = exact (the pass's
+   own, the reference), blind (canonical, relocated), and canonical with the key patch, the value
+   patch, or both. The option with the least squared error against the exact output is kept; a
+   patched option must beat blind by the relative `margin`, and a component is kept only if
+   dropping it would raise the error by more than `margin` too. Each layer's choice therefore
+   has an attention-output error on the probe rows at most blind's.
+2. end to end (`tail_kl`, run by the window for text chunks): the probe rows are forwarded once
+   after [antecedent, the chunk's earlier rows served blind] and once with the guarded patch;
+   their next-token KL against the pass's logits decides whether the patch is kept at all. A
+   per-layer gain does not always survive the layers above it (on SmolLM2, a rank-1 or rank-2
+   patch of a code chunk lowered every layer's probe error yet raised the questions' KL over
+   blind by 30%); this check is what catches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from kamera_core import patch as kp
+from kamera_core.metrics import kl_divergence
+from kamera_core.rope import RopeSpec
+from kamera_core.segment import Segment, segment_attention
+
+# Probe rows: the chunk's last rows (they attend to all of it). 32 rows cost 4 attention calls
+# of 32 rows per layer.
+PROBE_ROWS = 32
+# A patched option must lower the probe error by this fraction of the error it is compared with.
+MARGIN = 0.05
+
+OPTIONS = ("none", "k", "v", "kv")
+
+
+@dataclass
+class QueryProbe:
+    """Filled by the attention during one pass (`agentwin.models.segments`): per layer, the
+    post-RoPE queries `[n, Hq, D]` of the pass's rows `rows`, the attention scale, the layer's
+    sliding window and logit soft-cap."""
+
+    rows: torch.Tensor
+    queries: dict[int, tuple[torch.Tensor, float, int | None, float | None]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # `[n, vocab]` float32 next-token logits of the rows (set by the pass)
+
+    @classmethod
+    def last_rows(cls, tokens: int, count: int = PROBE_ROWS) -> "QueryProbe":
+        """The last min(count, tokens // 2) rows (at least one): rows before them stay for
+        `tail_kl` to serve from canonical KV."""
+        n = max(1, min(count, tokens // 2))
+        return cls(torch.arange(tokens - n, tokens))
+
+    def record(self, layer: int, query: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> None:
+        """query: the layer's `[1, Hq, Tq, D]` as the attention receives it."""
+        self.queries[layer] = (query[0, :, self.rows].transpose(0, 1).detach().clone(), scale, window, softcap)
+
+
+@dataclass(frozen=True)
+class GuardLayer:
+    """One layer's decision: the option kept and the probe errors of all four (squared)."""
+
+    choice: str
+    errors: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GuardReport:
+    layers: tuple[GuardLayer, ...]
+    bytes_before: int
+    bytes_after: int
+
+    def choices(self) -> list[str]:
+        return [layer.choice for layer in self.layers]
+
+    def kept_error_ratio(self) -> float:
+        """Summed probe error of the kept options over blind's (≤ 1 by construction)."""
+        blind = sum(layer.errors["none"] for layer in self.layers)
+        kept = sum(layer.errors[layer.choice] for layer in self.layers)
+        return kept / blind if blind > 0 else 0.0
+
+
+def _choose(errors: dict[str, float], margin: float) -> str:
+    """The least-error option that beats blind by `margin`, then drop any component whose removal
+    costs no more than `margin` of the error."""
+    best = min(OPTIONS, key=lambda o: errors[o])
+    if best == "none" or not errors[best] < (1 - margin) * errors["none"]:
+        return "none"
+    if best == "kv":
+        single = min(("k", "v"), key=lambda o: errors[o])
+        if errors[single] * (1 - margin) <= errors["kv"] and errors[single] < (1 - margin) * errors["none"]:
+            return single
+    return best
+
+
+def guard_patch(patch: kp.ChunkPatch, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                exact: Sequence[tuple[torch.Tensor, torch.Tensor]], antecedent: Sequence[Sequence[Segment]],
+                probe: QueryProbe, specs: Sequence[RopeSpec], first: int, start: int,
+                margin: float = MARGIN) -> tuple[kp.ChunkPatch, GuardReport]:
+    """`patch` with each layer's k / v factors kept or dropped by the probe error (module doc).
+
+    canonical: the chunk's canonical KV (chunk-local frame); exact: its KV from the pass (at
+    `start`); antecedent: per layer the segments the pass read before the chunk; first: the
+    chunk's first token index. Layers the probe did not record keep their patch as it is."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    rows = probe.rows.to(torch.long)
+    query_index = first + rows
+    kept, report = [], []
+    for layer, (lp, (ck, cv), (xk, xv), spec) in enumerate(zip(patch.layers, canonical, exact, specs)):
+        recorded = probe.queries.get(layer)
+        if recorded is None or (lp.k is None and lp.v is None):
+            kept.append(lp)
+            continue
+        q, scale, window, softcap = recorded
+        before = list(antecedent[layer])
+
+        def out(seg: Segment) -> torch.Tensor:
+            return segment_attention(q, query_index, [*before, seg], spec, scale, window=window,
+                                     softcap=softcap).double()
+
+        reference = out(Segment(xk, xv, first, 0))
+        variants = {"none": None, "k": kp.LayerPatch(lp.k, None), "v": kp.LayerPatch(None, lp.v), "kv": lp}
+        errors = {}
+        for name, variant in variants.items():
+            if name != "none" and ((name in ("k", "kv") and lp.k is None) or (name in ("v", "kv") and lp.v is None)):
+                errors[name] = float("inf")  # that component is not there to keep
+                continue
+            errors[name] = float((out(Segment(ck, cv, first, start, variant)) - reference).square().sum())
+        choice = _choose(errors, margin)
+        kept.append(kp.LayerPatch(lp.k if "k" in choice else None, lp.v if "v" in choice else None))
+        report.append(GuardLayer(choice, errors))
+    guarded = kp.ChunkPatch(tuple(kept), f"{patch.method}+guard")
+    return guarded, GuardReport(tuple(report), patch.nbytes, guarded.nbytes)
+
+
+def _head(lp: kp.LayerPatch | None, rows: int) -> kp.LayerPatch | None:
+    """A layer patch restricted to the chunk's first `rows` tokens."""
+    if lp is None:
+        return None
+
+    def cut(f: kp.Factors | None) -> kp.Factors | None:
+        return None if f is None else kp.Factors(f.u[:rows], f.vt, f.u_scale, f.vt_scale)
+
+    return kp.LayerPatch(cut(lp.k), cut(lp.v))
+
+
+def tail_kl(km: Any, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            patch: kp.ChunkPatch | None, antecedent: Sequence[Sequence[Segment]], probe: QueryProbe,
+            first: int, start: int) -> float | None:
+    """Mean next-token KL, over the probe rows (the chunk's last rows), of the pass's logits
+    against a forward of those rows read after [antecedent, the chunk's earlier rows served as
+    canonical KV + `patch` (None: blind)]: what the patch does to the chunk's own later reading,
+    end to end. One forward of the probe rows (text chunks, 1-D positions). None when the pass
+    kept no logits or no row comes before the probe rows."""
+    tokens, n = int(ids.numel()), int(probe.rows.numel())
+    head = tokens - n
+    if probe.logits is None or head <= 0:
+        return None
+    layers = [[*antecedent[i], Segment(k[:head], v[:head], first, start,
+                                       None if patch is None else _head(patch.layers[i], head))]
+              for i, (k, v) in enumerate(canonical)]
+    out = km.forward(ids[head:], start + head, km.cache(layers, first + head), logits_to_keep=n)
+    return kl_divergence(probe.logits, out.logits[0, -n:].float())

@@ -16,6 +16,7 @@
     agentwin bench steps --json FILE        agent step time: the model's forwards vs everything else
     agentwin bench trace --json FILE        agent traces: re-prefill vs prefix cache vs streaming vs agentwin (docs/results/TRACE.md)
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
+    agentwin diagnose --case code           the same on a built-in hard case (code, roles, table, steps)
 
 """
 

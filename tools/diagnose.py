@@ -1,11 +1,14 @@
 """`agentwin diagnose`: the deficit of one chunk after another, for any supported text model.
 
     agentwin diagnose --a-file A.txt --b-file B.txt --question "Who ...? Answer:" [--model PATH]
+    agentwin diagnose --case code          (a built-in hard case, `agentwin.eval.hard_cases`)
 
 Reports per layer the relative deficit ‖Δ‖/‖KV(B|A)‖ of K and V and the share of its energy in
 the top 8/16/32/64 directions, then next-token KL against a full re-prefill for blind reuse,
-oracle token recompute and each patch method at 1.5–25% of B's KV bytes. `--model` takes
-`smollm2` (the embedded model, default) or a local path / hub name that transformers can load.
+oracle token recompute, each patch method at 1.5–25% of B's KV bytes, and `window`: the patch a
+`Window` at its default settings builds for B after A (guarded, `agentwin.guard`), its bytes as a
+share of B's KV and its KL. `--model` takes `smollm2` (the embedded model, default) or a local
+path / hub name that transformers can load.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (default) or a path / name transformers can load")
-    parser.add_argument("--a-file", required=True, help="text file of the antecedent chunk A")
-    parser.add_argument("--b-file", required=True, help="text file of the chunk B that reads A")
-    parser.add_argument("--question", action="append", required=True,
+    parser.add_argument("--a-file", help="text file of the antecedent chunk A")
+    parser.add_argument("--b-file", help="text file of the chunk B that reads A")
+    parser.add_argument("--question", action="append",
                         help="a question read after [A, B]; repeat for several")
+    parser.add_argument("--case", help="a built-in hard case instead of the files and questions: "
+                                       "code, roles, table or steps (agentwin.eval.hard_cases)")
     parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
 
@@ -41,7 +46,17 @@ def run(args: argparse.Namespace) -> int:
     from agentwin.eval.harness import BUDGETS, measure_texts, print_report, summarise
 
     try:
-        a_text, b_text = _read(args.a_file, "chunk A"), _read(args.b_file, "chunk B")
+        if args.case is not None:
+            from agentwin.eval.hard_cases import hard_case
+
+            if args.a_file or args.b_file or args.question:
+                raise ValueError("--case replaces --a-file, --b-file and --question; give one or the other")
+            a_text, b_text, questions = hard_case(args.case).texts()
+        else:
+            if not (args.a_file and args.b_file and args.question):
+                raise ValueError("give --a-file, --b-file and at least one --question (or --case NAME)")
+            a_text, b_text = _read(args.a_file, "chunk A"), _read(args.b_file, "chunk B")
+            questions = args.question
         print(f"loading {args.model} ...", flush=True)
         from agentwin.models.zoo import load_text_model
 
@@ -49,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    figures = measure_texts(model, tokenizer, a_text, b_text, args.question, args.storage)
+    figures = measure_texts(model, tokenizer, a_text, b_text, questions, args.storage, window=True)
     print(f"{'layer':>5} {'|dK|/|K|':>9} {'|dV|/|V|':>9} " + " ".join(f"K top{t:<3}" for t in (8, 16, 32, 64)))
     for row in figures["layers"]:
         print(f"{row['layer']:>5} {row['rel_delta_k']:>9.4f} {row['rel_delta_v']:>9.4f} "
@@ -57,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise([{"seed": 0, **figures}], [])
     summary["seeds"] = ["given chunks"]
     print_report(summary)
+    w = figures["window"]
+    print(f"window         bytes {w['bytes_frac']:.2%} of B's KV, KL {w['kl']:.4f} (blind {figures['blind_kl']:.4f}; "
+          f"Window defaults: rank {w['rank']}, {w['storage']}, guard {'on' if w['guard'] else 'off'}; "
+          f"guard kept {w['guard_checked'] - w['guard_dropped']}/{w['guard_checked']} layer k/v patches"
+          f"{', fell back to blind' if w['guard_fallbacks'] else ''})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**summary, "case": figures, "budgets": BUDGETS}, fh, indent=1)

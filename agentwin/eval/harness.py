@@ -212,8 +212,9 @@ def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print)
 
 
 def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_text: Sequence[str],
-                  storage: str, log=print, label: str = "case") -> dict:
-    """All single-case figures for chunk A, chunk B and questions given as text."""
+                  storage: str, log=print, label: str = "case", window: bool = False) -> dict:
+    """All single-case figures for chunk A, chunk B and questions given as text; with `window`,
+    also `window_fit`'s figures (the window's own default patch) under "window"."""
     a, b = _encode(tokenizer, a_text, special=True), _encode(tokenizer, b_text)
     questions = [_encode(tokenizer, q) for q in questions_text]
     p = prepare(model, a, b, questions)
@@ -249,7 +250,8 @@ def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, question
 
     build = p.alone_s + fit_s
     saving = p.reprefill_s - apply_s
-    return {
+    extra = {"window": window_fit(model, tokenizer, a_text, b_text, questions_text)} if window else {}
+    return {**extra,
         "a_tokens": p.a_len, "b_tokens": p.b_len, "questions": len(questions),
         "kv_bytes": kv_bytes, "blind_kl": blind,
         "full_rank": {"kl": p.kl(exact_kv), "max_logit_diff": p.max_logit_diff(exact_kv),
@@ -259,6 +261,37 @@ def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, question
                  "build_in_reprefills": build / p.reprefill_s,
                  "reuses_to_break_even": build / saving if saving > 0 else math.inf},
     }
+
+
+def window_fit(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_text: Sequence[str],
+               **window_args: Any) -> dict:
+    """The patch a `Window` builds for B after A at its default settings (or `window_args`),
+    measured: B is appended after A, evicted and recalled to the same slot, so it is served from
+    canonical KV plus the stored patch; KL per question against the window's own re-prefill.
+    The model's attention implementation is restored afterwards."""
+    from agentwin.models.adapter import KameraModel
+    from agentwin.window import Window
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    saved = config._attn_implementation
+    try:
+        window = Window(KameraModel(model, tokenizer), budget_tokens=1 << 20, **window_args)
+        window.append(a_text)
+        b = window.append(b_text)
+        window.evict(b)
+        window.recall(b)
+        kls = [kl_divergence(window.reference_logprobs(q), window.next_token_logprobs(q), log_probs=True)
+               for q in questions_text]
+        stats = window.stats()
+        canonical = window._chunks[b].canonical
+        patch = next(iter(window._chunks[b].patches.values()), None)
+    finally:
+        model.set_attn_implementation(saved)
+    kv_bytes = sum((k.numel() + v.numel()) * 2 for k, v in canonical)  # B's KV at fp16
+    return {"method": "window", "rank": window.rank, "guard": window.guard, "storage": window.storage,
+            "bytes_frac": (0 if patch is None else patch.nbytes) / kv_bytes, "kl": sum(kls) / len(kls),
+            "ranks": None if patch is None else patch.ranks(), "guard_fallbacks": stats.guard_fallbacks,
+            "guard_dropped": stats.guard_dropped, "guard_checked": stats.guard_checked}
 
 
 def measure_orbit(model: Any, tokenizer: Any, seed: int, storage: str, budget: float = 0.12, log=print) -> dict:

@@ -1,0 +1,115 @@
+"""Does the patch guard do no harm? Blind reuse, plain SVD patches and guarded patches of the
+window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes.
+
+    python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
+
+For each case, A then B are appended to a `Window`; B is evicted and recalled to the same slot,
+so it is served from canonical KV plus the stored patch (none for blind reuse), and each
+question's next-token KL is taken against the window's own full re-prefill. The rank of each
+budget is the largest uniform rank whose K and V factors fit it. The noise floor is the KL of a
+bfloat16 re-prefill against the float32 one on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any, Sequence
+
+import torch
+
+from agentwin.eval.hard_cases import CASES, HardCase
+from kamera_core import budget as kb
+from kamera_core.metrics import kl_divergence
+
+BUDGETS = (0.015, 0.03, 0.06, 0.12, 0.25)
+
+
+def _served(km: Any, case: HardCase, **window_args: Any) -> tuple[Any, int]:
+    from agentwin.window import Window
+
+    window = Window(km, budget_tokens=1 << 20, **window_args)
+    window.append(case.a)
+    b = window.append(case.b)
+    window.evict(b)
+    window.recall(b)
+    return window, b
+
+
+def _kl(window: Any, case: HardCase, references: Sequence[torch.Tensor]) -> float:
+    return statistics.fmean(kl_divergence(ref, window.next_token_logprobs(q), log_probs=True)
+                            for ref, q in zip(references, case.questions))
+
+
+def rank_for(budget: float, tokens: int, k_features: int, v_features: int, layers: int) -> int:
+    """Largest uniform rank whose fp16 K and V factors take at most `budget` of the chunk's fp16 KV."""
+    kv_bytes = layers * tokens * (k_features + v_features) * 2
+    per_rank = layers * (kb.bytes_per_rank(tokens, k_features, "fp16") + kb.bytes_per_rank(tokens, v_features, "fp16"))
+    return max(1, int(budget * kv_bytes // per_rank))
+
+
+def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf16: Any = None, log=print) -> dict:
+    """Blind, svd and guarded KL per budget for one case (and the bf16 noise floor with `bf16`,
+    the same model in bfloat16)."""
+    window, b = _served(km, case, patch="none")
+    references = [window.reference_logprobs(q) for q in case.questions]
+    blind = _kl(window, case, references)
+    k, v = window._chunks[b].canonical[0]
+    tokens, layers = int(k.shape[0]), len(km.specs)
+    kv_bytes = layers * tokens * (k[0].numel() + v[0].numel()) * 2
+    row: dict[str, Any] = {"case": case.name, "b_tokens": tokens, "blind": blind, "budgets": []}
+    if bf16 is not None:
+        floors = []
+        for ref, q in zip(references, case.questions):
+            ids = window.input_ids(q)[None]
+            with torch.no_grad():
+                low = bf16(input_ids=ids).logits[0, -1].float()
+            floors.append(kl_divergence(ref, torch.log_softmax(low, -1), log_probs=True))
+        row["noise_floor"] = statistics.fmean(floors)
+    log(f"{case.name}: B {tokens} tokens, blind KL {blind:.4f}" +
+        (f", bf16 noise floor {row['noise_floor']:.2e}" if bf16 is not None else ""))
+    for budget in budgets:
+        rank = rank_for(budget, tokens, k[0].numel(), v[0].numel(), layers)
+        entry: dict[str, Any] = {"budget": budget, "rank": rank}
+        for name, guard in (("svd", False), ("guard", True)):
+            window, b = _served(km, case, rank=rank, guard=guard)
+            kl = _kl(window, case, references)  # reads the stored patch back
+            patch = next(iter(window._chunks[b].patches.values()))
+            stats = window.stats()
+            entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
+                           "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
+                           "checked": stats.guard_checked}
+        g, s = entry["guard"], entry["svd"]
+        log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
+            f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})")
+        row["budgets"].append(entry)
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated hard cases")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bf16 noise floor")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from agentwin.models.adapter import KameraModel
+    from agentwin.models.zoo import load_smollm2
+
+    km = KameraModel.from_pretrained("smollm2")
+    bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
+    rows = [measure_case(km, CASES[name], bf16=bf16) for name in args.cases.split(",")]
+    for row in rows:
+        worse = [e["budget"] for e in row["budgets"] if e["guard"]["kl"] > row["blind"]]
+        quarter = [e["budget"] for e in row["budgets"] if e["budget"] <= 0.06 and e["guard"]["kl"] > 0.25 * row["blind"]]
+        print(f"{row['case']}: guarded worse than blind at {worse or 'no budget'}; "
+              f"above 25% of blind at <=6% bytes: {quarter or 'none'}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

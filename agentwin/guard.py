@@ -27,6 +27,7 @@ logits. Two checks follow, both against blind reuse:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -40,7 +41,8 @@ from kamera_core.segment import Segment, segment_attention
 # Probe rows: the chunk's last rows (they attend to all of it). 32 rows cost 4 attention calls
 # of 32 rows per layer.
 PROBE_ROWS = 32
-# A patched option must lower the probe error by this fraction of the error it is compared with.
+# A patched option must lower the probe error by this fraction of the error it is compared with
+# (per layer), and a whole patch its probe rows' next-token KL by this fraction of blind's.
 MARGIN = 0.05
 
 OPTIONS = ("none", "k", "v", "kv")
@@ -174,3 +176,28 @@ def tail_kl(km: Any, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, 
               for i, (k, v) in enumerate(canonical)]
     out = km.forward(ids[head:], start + head, km.cache(layers, first + head), logits_to_keep=n)
     return kl_divergence(probe.logits, out.logits[0, -n:].float())
+
+
+def guard_chunk(km: Any, stats: Any, kind: str, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                patch: kp.ChunkPatch, exact: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int,
+                segments: Sequence[Sequence[Segment]], probe: QueryProbe, first: int) -> kp.ChunkPatch:
+    """The window's guard of one fitted patch: per layer on the probe rows' attention outputs
+    (`guard_patch`), then, for text chunks, as a whole on their next-token logits (`tail_kl`): a
+    patch that does not beat blind reuse there by `MARGIN` is dropped whole. `stats` (the
+    window's `WindowStats`) counts the two probe forwards as "guard" and what was dropped."""
+    guarded, report = guard_patch(patch, canonical, exact, segments, probe, km.specs, first, start)
+    stats.guarded(report)
+    if kind != "text" or probe.logits is None or guarded.nbytes == 0 or probe.rows[0] == 0:
+        return guarded  # nothing to check end to end
+    t0 = time.perf_counter()
+    scores = []
+    for candidate in (None, guarded):
+        stats.count("guard", int(probe.rows.numel()))
+        scores.append(tail_kl(km, ids, canonical, candidate, segments, probe, first, start))
+    stats.seconds["guard"] += time.perf_counter() - t0
+    if scores[1] < (1 - MARGIN) * scores[0]:
+        return guarded
+    stats.guard_fallbacks += 1
+    stats.guard_dropped_bytes += guarded.nbytes
+    stats.guard_dropped += sum((lp.k is not None) + (lp.v is not None) for lp in guarded.layers)
+    return kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in guarded.layers), guarded.method)

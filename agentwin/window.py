@@ -18,12 +18,10 @@ reused for antecedents never seen), "orbit" (the fit of the mean deficit over th
 measured; `fit_orbit` adds sampled orders), "fresh" (a conditioned pass per new antecedent).
 `rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
 
-The patch guard (`guard=True`, `agentwin.guard`): a rank-limited patch is checked against blind
-reuse on the chunk's last rows, recorded during the very pass it was fitted from: layer by layer
-on their attention outputs (a key or value patch that does not lower the error is dropped, rank 0
-there), then as a whole on their next-token logits (one forward of those rows served blind and
-one served patched; a patch that does not beat blind there is dropped whole). Exact patches are
-never guarded; MLA models are not guarded (their queries are not in the cached space).
+The patch guard (`guard=True`, `agentwin.guard`) keeps a rank-limited patch only where it beats
+blind reuse on the chunk's last rows, recorded in the pass it was fitted from: per layer on their
+attention outputs, then whole on their next-token logits. Exact patches and MLA models are not
+guarded.
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
@@ -41,12 +39,12 @@ from typing import Sequence
 import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
-from agentwin.guard import QueryProbe, guard_patch, tail_kl
+from agentwin.guard import QueryProbe, guard_chunk
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
-from agentwin.window_chunk import ChunkId, ChunkRecord, key_summary, timed
+from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, key_summary, timed
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats, kv_nbytes
 from kamera_core import patch as kp
@@ -54,8 +52,6 @@ from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
 EVICTION = ("fifo", "lru")
-# A guarded patch is kept only if its probe rows' next-token KL is below (1 - GUARD_MARGIN) x blind's.
-GUARD_MARGIN = 0.05
 
 
 class Window:
@@ -359,19 +355,7 @@ class Window:
 
     def check_integrity(self) -> None:
         """RuntimeError when an invariant is broken (indicates a bug)."""
-        if len(set(self._order)) != len(self._order):
-            raise RuntimeError("a chunk appears twice in the window; this indicates a bug")
-        if not set(self._order) <= set(self._chunks):
-            raise RuntimeError("the window holds an unknown chunk; this indicates a bug")
-        if not self._pinned <= set(self._order):
-            raise RuntimeError("a pinned chunk is not in the window; this indicates a bug")
-        for c in self._chunks.values():
-            held = [kv for kv in (c.canonical, c.exact[2] if c.exact else None) if kv is not None]
-            if c.id not in self._order and (held or c.patches):
-                raise RuntimeError(f"evicted chunk {c.id} still holds KV; this indicates a bug")
-            for kv in held:
-                if len(kv) != len(self.km.specs) or kv[0][0].shape[0] != c.ids.numel():
-                    raise RuntimeError(f"chunk {c.id} KV does not match its tokens; this indicates a bug")
+        check_invariants(self._order, self._chunks, self._pinned, len(self.km.specs))
         if self.tokens() > self.budget_tokens and len(self._order) > len(self._pinned):
             raise RuntimeError("the window exceeds its token budget; this indicates a bug")
 
@@ -438,33 +422,11 @@ class Window:
         else:
             patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
             if probed is not None:
-                patch = self._guard(chunk, patch, exact, start, *probed)
+                patch = guard_chunk(self.km, self._stats, chunk.inputs.kind, chunk.ids, self._hold(chunk), patch,
+                                    exact, start, *probed)
         self._stats.patch_bytes += patch.nbytes
         self._stats.seconds["fit_patch"] += time.perf_counter() - t0
         return patch
-
-    def _guard(self, chunk: ChunkRecord, patch: kp.ChunkPatch, exact: list[LayerKV], start: int,
-               segments: list[list[Segment]], probe: QueryProbe, first: int) -> kp.ChunkPatch:
-        """`patch` checked by `agentwin.guard`: per layer on the probe rows' attention outputs
-        (`guard_patch`), then as a whole on their next-token logits (`tail_kl`, text chunks): a
-        patch that does not beat blind reuse there by `GUARD_MARGIN` is dropped whole."""
-        canonical = self._hold(chunk)
-        guarded, report = guard_patch(patch, canonical, exact, segments, probe, self.km.specs, first, start)
-        self._stats.guarded(report)
-        if chunk.inputs.kind != "text" or probe.logits is None or guarded.nbytes == 0 or probe.rows[0] == 0:
-            return guarded  # nothing to check end to end
-        t0 = time.perf_counter()
-        scores = []
-        for candidate in (None, guarded):
-            self._stats.count("guard", int(probe.rows.numel()))
-            scores.append(tail_kl(self.km, chunk.ids, canonical, candidate, segments, probe, first, start))
-        self._stats.seconds["guard"] += time.perf_counter() - t0
-        if scores[1] < (1 - GUARD_MARGIN) * scores[0]:
-            return guarded
-        self._stats.guard_fallbacks += 1
-        self._stats.guard_dropped_bytes += guarded.nbytes
-        self._stats.guard_dropped += sum((lp.k is not None) + (lp.v is not None) for lp in guarded.layers)
-        return kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in guarded.layers), guarded.method)
 
     def _conditioned_patch(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
         """The patch of `chunk` after `antecedent_ids` from one conditioned pass, kept in the store;

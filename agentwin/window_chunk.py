@@ -59,3 +59,22 @@ class ChunkRecord:
     served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
     pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
     orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
+
+
+def check_invariants(order: Sequence[ChunkId], chunks: dict, pinned: set, layers: int) -> None:
+    """RuntimeError when the window's bookkeeping is broken (indicates a bug): a chunk twice in the
+    order, an unknown or unpinned-but-pinned chunk, an evicted chunk still holding KV, or KV whose
+    layers or tokens do not match its chunk."""
+    if len(set(order)) != len(order):
+        raise RuntimeError("a chunk appears twice in the window; this indicates a bug")
+    if not set(order) <= set(chunks):
+        raise RuntimeError("the window holds an unknown chunk; this indicates a bug")
+    if not pinned <= set(order):
+        raise RuntimeError("a pinned chunk is not in the window; this indicates a bug")
+    for c in chunks.values():
+        held = [kv for kv in (c.canonical, c.exact[2] if c.exact else None) if kv is not None]
+        if c.id not in order and (held or c.patches):
+            raise RuntimeError(f"evicted chunk {c.id} still holds KV; this indicates a bug")
+        for kv in held:
+            if len(kv) != layers or kv[0][0].shape[0] != c.ids.numel():
+                raise RuntimeError(f"chunk {c.id} KV does not match its tokens; this indicates a bug")

@@ -214,7 +214,8 @@ def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print)
 def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_text: Sequence[str],
                   storage: str, log=print, label: str = "case", window: bool = False) -> dict:
     """All single-case figures for chunk A, chunk B and questions given as text; with `window`,
-    also `window_fit`'s figures (the window's own default patch) under "window"."""
+    also `window_fit`'s figures: the window's own default patch under "window", the same with the
+    patch guard on under "window+guard"."""
     a, b = _encode(tokenizer, a_text, special=True), _encode(tokenizer, b_text)
     questions = [_encode(tokenizer, q) for q in questions_text]
     p = prepare(model, a, b, questions)
@@ -250,7 +251,9 @@ def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, question
 
     build = p.alone_s + fit_s
     saving = p.reprefill_s - apply_s
-    extra = {"window": window_fit(model, tokenizer, a_text, b_text, questions_text)} if window else {}
+    extra = ({"window": window_fit(model, tokenizer, a_text, b_text, questions_text),
+              "window+guard": window_fit(model, tokenizer, a_text, b_text, questions_text, guard=True)}
+             if window else {})
     return {**extra,
         "a_tokens": p.a_len, "b_tokens": p.b_len, "questions": len(questions),
         "kv_bytes": kv_bytes, "blind_kl": blind,

@@ -90,7 +90,7 @@ def test_window_drops_a_patch_that_reads_worse_than_blind(monkeypatch):
 
     monkeypatch.setattr(window_module.kp, "build_patch", harmful)
     logprobs = {}
-    for name, args in (("guarded", {"rank": 4}), ("blind", {"patch": "none"})):
+    for name, args in (("guarded", {"rank": 4, "guard": True}), ("blind", {"patch": "none"})):
         win = Window(km, **args)
         win.append(A)
         b = win.append(B)
@@ -111,6 +111,8 @@ def test_exact_windows_are_never_guarded():
     win.append(B)
     s = win.stats()
     assert not win.guard and s.guard_checked == 0 and "guard" not in s.forwards
+    assert not Window(km, rank=None, guard=True).guard
+    assert not Window(km, rank=4).guard  # off unless asked for
     with pytest.raises(TypeError, match="guard must be a bool"):
         Window(km, guard=1)
 
@@ -143,4 +145,4 @@ def test_guarded_patch_is_no_worse_than_blind_on_smollm2(case):
 
     blind = kl(patch="none")
     for rank in (1, 2):
-        assert kl(rank=rank) <= blind * (1 + 1e-3)
+        assert kl(rank=rank, guard=True) <= blind * (1 + 1e-3)

@@ -27,22 +27,26 @@ def _page(pages: dict[str, str], raw_path: str) -> str | None:
     return body
 
 
+def send_html(handler: BaseHTTPRequestHandler, body: str | None) -> None:
+    """Answer an http.server request with `body` as UTF-8 HTML, or 404 when it is None."""
+    if body is None:
+        handler.send_error(404)
+        return
+    data = body.encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/html; charset=utf-8")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 @contextmanager
 def serve(pages: dict[str, str]) -> Iterator[str]:
     """Serve `pages` (path -> HTML) until the block ends; yields the base URL (no trailing slash)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            body = _page(pages, self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_html(self, _page(pages, self.path))
 
         def log_message(self, *args: Any) -> None:
             pass

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from agents.local_site import send_html  # noqa: F401 (the tests' HTML handlers use it)
 from agentwin.models.kv import extract_kv
 from agentwin.models.zoo import TINY, build_tiny
 from kamera_core import kv_layout
@@ -202,19 +203,6 @@ assert set(TEXT_MODELS + VL_MODELS) == set(TINY)
 
 def tiny(name: str, config: Any = None) -> Any:
     return build_tiny(name, seed=0, config=config)
-
-
-def send_html(handler: Any, body: str | None) -> None:
-    """Answer an http.server request with `body` as UTF-8 HTML, or 404 when it is None."""
-    if body is None:
-        handler.send_error(404)
-        return
-    data = body.encode()
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/html; charset=utf-8")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 def window_step(win: Any, op: str, arg: int, evicted: list, append: Any) -> None:

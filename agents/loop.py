@@ -12,8 +12,10 @@
   their JSON schema and stops where the action object closes).
 - Act: the reply is parsed (`agents.actions`); "answer" ends the run, "recall" brings an earlier
   step's observation back, anything else goes to `Env.act`. A malformed reply or an action the
-  environment refuses (`ActionError`) is shown to the model at the next step; `EnvError` stops the
-  run with its message. `max_steps` bounds the number of decisions.
+  environment refuses (`ActionError`) is shown to the model at the next step, and a decider with
+  `avoid(names)` is held away from the actions refused since the environment last changed, so a
+  small model cannot spend the remaining steps on one refused action; `EnvError` stops the run
+  with its message. `max_steps` bounds the number of decisions.
 - Record: one `StepRecord` per step (optionally appended to a JSONL file as it happens) with what
   the window did in that step (evictions, recalls, store hits, vision-tower runs, tokens forwarded
   by kind, read from `Window.stats()` before and after the step), and a `RunSummary` summed from
@@ -139,9 +141,12 @@ class AgentLoop:
                 record.error, record.error_kind, stopped = str(err), "environment", f"error: {err}"
             self._finish(record)
             step = 0
+            refused: set[str] = set()  # environment actions refused since the environment last changed
             while not stopped.startswith("error") and step < self.max_steps:
                 step += 1
                 record = self._begin(step)
+                if hasattr(self.decider, "avoid"):
+                    self.decider.avoid(refused)
                 record.reply = self.decider.decide(self.window, self._prompt(notice))
                 last = getattr(self.decider, "last", None)
                 if isinstance(last, dict):
@@ -158,11 +163,14 @@ class AgentLoop:
                         notice = self._recall_step(action, record)
                     else:
                         self._observe(self.env.act(action), record)
+                        refused.clear()
                 except MalformedAction as err:
                     record.error, record.error_kind = retry_message(err), "malformed"
                     notice = record.error
                 except ActionError as err:
                     record.error, record.error_kind = str(err), "refused"
+                    if record.action and record.action.get("action") in self.env.actions():
+                        refused.add(record.action["action"])
                     notice = f"That action failed: {err}"
                 except EnvError as err:
                     record.error, record.error_kind, stopped = str(err), "environment", f"error: {err}"

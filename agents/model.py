@@ -69,7 +69,9 @@ class WindowDecider:
     object; without a schema it still stops there (braces counted outside strings).
     `max_new_tokens` bounds a reply either way. `last` describes the last decision:
     `generated_tokens`, `tokens_after_close` (0 when decoding stopped at the close; None when the
-    object never closed) and `constrained`."""
+    object never closed) and `constrained`. `avoid(names)` leaves those environment actions out
+    of the schema until the next `avoid` (the loop passes the actions the environment has just
+    refused in the state the model still sees)."""
 
     def __init__(self, max_new_tokens: int = 48, prime: str = '{"action": "', constrain: bool = True) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -79,6 +81,8 @@ class WindowDecider:
         self.max_new_tokens, self.prime, self.constrain = max_new_tokens, prime, bool(constrain)
         self.schema: dict | None = None
         self.last: dict[str, Any] = {}
+        self._actions: tuple[dict[str, str], dict[str, dict] | None] | None = None
+        self._avoided: frozenset[str] = frozenset()
 
     def use_actions(self, actions: dict[str, str], arguments: dict[str, dict] | None = None,
                     window: Any = None) -> None:
@@ -87,11 +91,25 @@ class WindowDecider:
         first decision."""
         from agents.grammar import action_schema, grammar_for
 
+        self._actions, self._avoided = (dict(actions), arguments), frozenset()
         self.schema = action_schema(actions, arguments)
         if window is not None and self.constrain:
             grammar = grammar_for(window.km)
             if grammar is not None:
                 grammar.compile(self.schema)
+
+    def avoid(self, names: set[str] | frozenset[str]) -> None:
+        """Leave the environment actions `names` out of the schema (empty: none); at least one
+        environment action always stays, and the loop's recall and answer are never left out."""
+        from agents.grammar import action_schema
+
+        names = frozenset(names)
+        if self._actions is None or names == self._avoided:
+            return
+        actions, arguments = self._actions
+        kept = {n: d for n, d in actions.items() if n not in names}
+        self._avoided = names if kept else frozenset()
+        self.schema = action_schema(kept or actions, arguments)
 
     def decide(self, window: Any, prompt: str) -> str:
         query = f"{prompt} {self.prime}" if self.prime else prompt

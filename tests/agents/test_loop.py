@@ -362,3 +362,39 @@ def test_summary_lines_are_sums_of_the_step_records():
     assert "0 chunks\n" in quiet and "vision encoder" not in quiet
     for claim in ("saved", "avoided", "relocation", "prefill"):
         assert claim not in table and claim not in quiet
+
+
+class _AvoidingScript(ScriptedDecider):
+    """A scripted decider that records what the loop tells it to avoid before each decision."""
+
+    def __init__(self, replies):
+        super().__init__(replies)
+        self.avoided = []
+
+    def avoid(self, names):
+        self.avoided.append(set(names))
+
+
+def test_refused_actions_are_avoided_until_the_environment_changes(tiny, pdf):
+    script = _AvoidingScript([{"action": "previous"}, {"action": "goto", "page": 9}, {"action": "next"},
+                              {"action": "next"}, {"action": "answer", "text": "Tobias Mertens"}])
+    with PdfEnv(pdf) as env:
+        result = AgentLoop(env, Window(tiny, budget_tokens=2000), script, "Who repairs the fog horn?").run()
+    assert [r.error_kind for r in result.records[1:]] == ["refused", "refused", None, None, None]
+    # before each decision: nothing; then "previous" refused at page 1; then "goto" too; then
+    # "next" succeeded (the page changed), so nothing is avoided any more
+    assert script.avoided == [set(), {"previous"}, {"previous", "goto"}, set(), set()]
+
+
+def test_window_decider_leaves_avoided_actions_out_of_its_schema(pdf):
+    decider = WindowDecider()
+    with PdfEnv(pdf) as env:
+        decider.use_actions(env.actions(), env.action_arguments())
+    names = lambda: {v["properties"]["action"]["const"] for v in decider.schema["anyOf"]}  # noqa: E731
+    assert {"next", "previous", "goto", "search", "recall", "answer"} <= names()
+    decider.avoid({"next", "goto"})
+    assert "next" not in names() and "goto" not in names() and {"previous", "recall", "answer"} <= names()
+    decider.avoid(set())
+    assert "next" in names()
+    decider.avoid({"next", "previous", "goto", "search"})  # never every environment action
+    assert {"next", "previous", "goto", "search"} <= names()

@@ -65,9 +65,16 @@ def test_quick_mode_end_to_end(tmp_path):
     assert not set(smol["validation_seeds"]) & set(smol["test_seeds"])
     assert {r["trace"] for r in smol["summary"]} == {"recall", "reorder", "slide"}
     assert any(r["method"] == "kamera-orbit" and r["trace"] == "reorder" for r in smol["summary"])
+    # Test rows decode greedily exactly for the settings chosen on validation, the anchors' paper
+    # settings, full and blind; validation rows never decode.
+    decoded = {t: {tuple(p) for p in pairs} for t, pairs in smol["greedy_scored"].items()}
+    for c in smol["selected"]:
+        assert (c["method"], c["setting"]) in decoded[c["trace"]]
+    for t in decoded:
+        assert {("full", ""), ("blind", ""), ("cacheblend", "15%"), ("epic", "k=16"), ("vlcache", "r=5%")} <= decoded[t]
     for r in smol["summary"]:
         assert math.isfinite(r["kl"])
-        if r["split"] == "test":
+        if r["split"] == "test" and (r["method"], r["setting"]) in decoded[r["trace"]]:
             assert 0 <= r["greedy_same"] <= 1
         else:
             assert "greedy_same" not in r

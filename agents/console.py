@@ -78,7 +78,8 @@ def steps_table(records: list) -> str:
                          + ", ".join(e.split(" (")[0] for e in r.evicted))
         if r.recalled:
             notes.append(f"recalled {getattr(r, 'recalled_chunks', len(r.recalled))} chunks of "
-                         + ", ".join(e.split(" (")[0] for e in r.recalled))
+                         + ", ".join(e.split(" (")[0] for e in r.recalled)
+                         + (" (closest to the task)" if getattr(r, "kept", None) else ""))
         if getattr(r, "store_hits", 0):
             notes.append(f"{r.store_hits} store hits")
         if getattr(r, "encoder_runs", 0) or getattr(r, "encoder_reused", 0):

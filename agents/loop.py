@@ -24,6 +24,12 @@
 Progress: with `progress=True`, a bar on a terminal; elsewhere (a log file, a pipe) one plain line
 per step on stderr.
 
+With `keep_relevant`, the observation closest to the task is kept in view: after each new
+observation, the earlier observation whose chunks' key summaries are closest to the task text
+(`Window.nearest`, the task encoded once per run) is recalled, just before the new one, when it is
+out of view and both fit the window; older chunks are evicted to make room. The step record names
+it (`kept`) and counts it among the step's recalls. Recalls write no KV and run no forward.
+
 With `fidelity_query`, each recall is checked: the KL between the window's next-token
 distribution after that query and a full re-prefill's (`Window.reference_logprobs`).
 """
@@ -97,7 +103,8 @@ class AgentLoop:
 
     def __init__(self, env: Env, window: Any, decider: Decider, task: str, max_steps: int = 20,
                  log_path: str | Path | None = None, fidelity_query: str | None = None,
-                 progress: bool = False, on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 progress: bool = False, on_step: Callable[[StepRecord], None] | None = None,
+                 keep_relevant: bool = False) -> None:
         if not isinstance(env, Env):
             raise TypeError(f"env must implement agents.base.Env, got {type(env).__name__}")
         if not hasattr(decider, "decide"):
@@ -108,7 +115,7 @@ class AgentLoop:
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
         self.env, self.window, self.decider, self.task = env, window, decider, task.strip()
         self.max_steps, self.fidelity_query, self.progress = max_steps, fidelity_query, progress
-        self.on_step = on_step
+        self.on_step, self.keep_relevant = on_step, bool(keep_relevant)
         self.log_path = Path(log_path) if log_path is not None else None
         self.records: list[StepRecord] = []
         self._by_key: dict[str, list[int]] = {}  # content key -> chunk ids
@@ -216,6 +223,8 @@ class AgentLoop:
             for c in ids:
                 self._chunk_step[c] = record.step
             record.event = "append"
+            if self.keep_relevant and ids:
+                self._keep_relevant(ids, record)
         record.chunks = list(ids)
         self._step_chunks[record.step] = list(ids)
         self._step_label[record.step] = obs.label
@@ -249,6 +258,33 @@ class AgentLoop:
         record.recalled_tokens += sum(self._tokens.get(c, 0) for c in chunk_ids)
         record.event = "recall"
         record.recalled = self._labels(chunk_ids)
+        if self.fidelity_query:
+            record.kl = kl_to_reference(self.window, self.fidelity_query)
+
+    def _keep_relevant(self, current: list[int], record: StepRecord) -> None:
+        """Recall the earlier observation closest to the task just before `current` (the chunks
+        just appended) when it is out of view and both fit; see the module docstring."""
+        steps = [s for s in self._first_steps() if s != record.step]
+        step_of = {c: s for s in steps for c in self._step_chunks[s]}
+        if not step_of:
+            return
+        best, score = self.window.nearest(self.task, k=1, among=list(step_of))[0]
+        ids = self._step_chunks[step_of[best]]
+        missing = [c for c in ids if c not in self.window.chunks()]
+        needed = sum(self.window.chunk_tokens(c) for c in missing)
+        if not missing or needed + sum(self.window.chunk_tokens(c) for c in current) > int(self.window.budget_tokens):
+            return
+        while self.window.tokens() + needed > int(self.window.budget_tokens):
+            others = [c for c in self.window.chunks() if c not in current and c not in ids]
+            if not others:
+                return
+            self.window.evict(others[0])
+        for cid in missing:
+            self.window.recall(cid, at=self.window.chunks().index(current[0]))
+            self._present.add(cid)
+        record.recalled_tokens += needed
+        record.recalled = self._labels(missing)
+        record.kept = f"step {step_of[best]} ({self._step_label[step_of[best]]}), similarity {score:.2f}"
         if self.fidelity_query:
             record.kl = kl_to_reference(self.window, self.fidelity_query)
 

@@ -32,6 +32,7 @@ class StepRecord:
     fitted: str | None = None  # what was done to make the observation fit the window (split, cut)
     evicted: list[str] = field(default_factory=list)  # "step N (label)" that left the window
     recalled: list[str] = field(default_factory=list)  # "step N (label)" that came back
+    kept: str | None = None  # the observation recalled as the closest to the task (keep_relevant)
     evicted_chunks: int = 0  # chunks that left the window during this step
     recalled_chunks: int = 0  # chunks brought back during this step
     recalled_tokens: int = 0  # their tokens

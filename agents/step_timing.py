@@ -133,7 +133,7 @@ def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int 
         with tempfile.TemporaryDirectory() as tmp, _environment(kind, Path(workdir or tmp), km) as env:
             window = Window(km, budget_tokens=budget_tokens)
             result = AgentLoop(env, window, WindowDecider(max_new_tokens), task, max_steps=max_steps,
-                               on_step=on_step).run()
+                               on_step=on_step, keep_relevant=True).run()  # as `agentwin doc | web` run
     finally:
         timer.close()
     decisions = [s for s in steps if s["step"] >= 1]

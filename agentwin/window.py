@@ -14,14 +14,13 @@ first chunk of a window it is the in-context pass itself). A chunk whose canonic
 for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies (`agentwin.policies`): "none" (blind reuse), "origin" (the patch fitted at append,
-reused for antecedents never seen), "orbit" (the fit of the mean deficit over the antecedents
-measured; `fit_orbit` adds sampled orders), "fresh" (a conditioned pass per new antecedent).
-`rank=None` means exact (full-rank, float32) patches: the window then reproduces a re-prefill.
+reused for antecedents never seen), "orbit" (the mean deficit's fit over the antecedents measured;
+`fit_orbit` adds orders), "fresh" (a conditioned pass per new antecedent). `rank=None` means exact
+(full-rank, float32) patches: the window then reproduces a re-prefill.
 
-The patch guard (`guard=True`, off by default; `agentwin.guard`) keeps a rank-limited patch only where it beats
-blind reuse on the chunk's last rows, recorded in the pass it was fitted from: per layer on their
-attention outputs, then whole on their next-token logits. Exact patches and MLA models are not
-guarded.
+The patch guard (`guard=True`, off by default; `agentwin.guard`) keeps a rank-limited patch only
+where it beats blind reuse on the chunk's last rows, recorded in the pass it was fitted from: per
+layer on attention outputs, then whole on next-token logits (not for exact patches or MLA).
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
@@ -61,11 +60,11 @@ class Window:
                  rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
                  evict: str = "fifo", guard: bool = False) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
-        disk root) that uses it; default a private RAM-only store. Same content under the same
-        model is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
-        guard: keep a patch only where it beats blind reuse on the chunk's last rows
-        (`agentwin.guard`); ignored for exact patches and MLA models. Off by default: on SmolLM2's
-        document agent it raised the time outside the model's forwards from 8% to 24% of a step."""
+        disk root) that uses it; default a private RAM-only store. Same content under the same model
+        is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first. guard:
+        keep a patch only where it beats blind reuse (`agentwin.guard`; not for exact patches or
+        MLA). Off by default: on SmolLM2's document agent it took the time outside the model's
+        forwards from 8% to 24% of a step."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
@@ -96,6 +95,7 @@ class Window:
         self._pinned: set[ChunkId] = set()
         self._next_id = 0
         self._stats = WindowStats()
+        self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
         self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard)
         self.encoder = self._io.encoder
 
@@ -202,10 +202,9 @@ class Window:
 
     @timed
     def fit_orbit(self, orders: int = 6, seed: int = 0) -> int:
-        """Add the deficits of the window's chunks under `orders` random orders of them (one
-        forward of the whole window per order) to each chunk's orbit ("orbit" policy), so that
-        later reorders among these chunks are served by the orbit patch. Returns the number of
-        new orders used (orders already seen are skipped)."""
+        """Add the window's chunks' deficits under `orders` random orders (a forward of the window
+        each) to each chunk's orbit ("orbit" policy), so later reorders among them are served by
+        the orbit patch. Returns the number of new orders used (orders seen before are skipped)."""
         if self.policy != "orbit":
             raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
         if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
@@ -326,7 +325,8 @@ class Window:
     def nearest(self, query: str, k: int = 1, among: Sequence[ChunkId] | None = None) -> list[tuple[ChunkId, float]]:
         """The `k` chunks (in the window or evicted; only `among` when given) whose key summaries
         are closest to the query's: cosine per layer, averaged over layers; best first, ties by
-        chunk id. Encoding the query alone is one forward, counted as "retrieval"."""
+        chunk id. Encoding the query alone is one forward, counted as "retrieval" (not again when
+        the same query is asked next)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int, got {k!r}")
         candidates = sorted(self._chunks) if among is None else list(dict.fromkeys(among))
@@ -336,8 +336,10 @@ class Window:
         if not candidates:
             return []
         ids = self._query_ids(query)
-        q = self.km.key_summary(ids)
-        self._stats.count("retrieval", int(ids.numel()))
+        if self._asked[0] != tuple(ids.tolist()):  # a query asked again (an agent's task) is encoded once
+            self._asked = (tuple(ids.tolist()), self.km.key_summary(ids))
+            self._stats.count("retrieval", int(ids.numel()))
+        q = self._asked[1]
         scores = layer_cosine(q, torch.stack([self._chunks[c].summary for c in candidates])).tolist()
         ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
         return [(ChunkId(c), float(score)) for c, score in ranked[:k]]

@@ -80,6 +80,9 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
 
 def _agent_arguments(parser: argparse.ArgumentParser, model: str | None, budget: int, max_steps: int) -> None:
     add_window_arguments(parser, model, budget, max_steps)
+    parser.add_argument("--keep-relevant", action=argparse.BooleanOptionalAction, default=True,
+                        help="after each new observation, recall the earlier one closest to the task (by key "
+                             "similarity) just before it when it is out of view and both fit (default on)")
     parser.add_argument("--allow-random-weights", action="store_true",
                         help="run a built-in tiny-* model although its weights are random (tests only)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -142,7 +145,7 @@ def run_agent(args: argparse.Namespace, task: str, make_env: Callable[[Any], Any
         return _refuse(str(err))
     try:
         loop = AgentLoop(env, window, WindowDecider(args.max_new_tokens), task, max_steps=args.max_steps,
-                         log_path=args.log, progress=progress)
+                         log_path=args.log, progress=progress, keep_relevant=args.keep_relevant)
         result = loop.run()
     finally:
         env.close()

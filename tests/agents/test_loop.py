@@ -398,3 +398,50 @@ def test_window_decider_leaves_avoided_actions_out_of_its_schema(pdf):
     assert "next" in names()
     decider.avoid({"next", "previous", "goto", "search"})  # never every environment action
     assert {"next", "previous", "goto", "search"} <= names()
+
+
+def test_keep_relevant_recalls_the_observation_closest_to_the_task(tiny, pdf):
+    """The task is page 1's own text, so page 1 is the closest observation: each
+    time the budget pushes it out, it comes back just before the new page, and the task is encoded
+    once for the whole run."""
+    with PdfEnv(pdf) as env:
+        task = observation_chunks(env._observe(1), tiny)[0].text
+        budget = _page_tokens(tiny, env, 1) + _page_tokens(tiny, env, 2) + 5  # two pages fit, not three
+    plan = [{"action": "next"}] * 3 + [{"action": "answer", "text": "x"}]
+    runs = {}
+    for keep in (False, True):
+        with PdfEnv(pdf) as env:
+            window = Window(tiny, budget_tokens=budget, rank=None)
+            result = AgentLoop(env, window, ScriptedDecider(list(plan)), task, max_steps=6, fidelity_query=QUERY,
+                               keep_relevant=keep).run()
+        runs[keep] = (result, window)
+    plain, (kept, window) = runs[False][0], runs[True]
+    assert plain.summary.recalls == 0 and all(r.kept is None for r in plain.records)
+    r = kept.records
+    assert [x.observation for x in r[1:4]] == ["page 2/4", "page 3/4", "page 4/4"]
+    assert r[1].kept is None  # page 1 still in view
+    for step in (2, 3):
+        assert r[step].kept.startswith("step 0 (page 1/4), similarity ")
+        assert r[step].recalled == ["step 0 (page 1/4)"] and r[step].recalled_chunks == 1
+        assert r[step].kl is not None and abs(r[step].kl) < 1e-4  # exact patches: reads like a re-prefill
+    assert r[2].evicted == ["step 1 (page 2/4)"] and r[3].evicted == ["step 2 (page 3/4)"]
+    assert window.chunks() == r[0].chunks + r[3].chunks  # page 1 just before the newest page
+    assert window.tokens() <= budget
+    summary = kept.summary
+    assert summary.recalls == window.stats().recalls == 2 and summary.recall_steps == [2, 3]
+    assert summary.forward_tokens.get("recall", 0) == 0  # a recall runs no forward
+    once = Window(tiny, budget_tokens=budget, rank=None)
+    once.append("x")
+    once.nearest(kept.summary.task)
+    assert summary.forward_tokens["retrieval"] == once.stats().forward_tokens["retrieval"]  # one encode of the task
+
+
+def test_agent_commands_keep_the_relevant_observation_by_default():
+    import argparse
+
+    from tools.agents_cli import _doc_arguments
+
+    parser = argparse.ArgumentParser()
+    _doc_arguments(parser)
+    assert parser.parse_args(["f.pdf", "--question", "q"]).keep_relevant is True
+    assert parser.parse_args(["f.pdf", "--question", "q", "--no-keep-relevant"]).keep_relevant is False

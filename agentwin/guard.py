@@ -201,3 +201,35 @@ def guard_chunk(km: Any, stats: Any, kind: str, ids: torch.Tensor, canonical: Se
     stats.guard_dropped_bytes += guarded.nbytes
     stats.guard_dropped += sum((lp.k is not None) + (lp.v is not None) for lp in guarded.layers)
     return kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in guarded.layers), guarded.method)
+
+
+def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              deltas: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, storage: str, max_kl: float,
+              start: int, segments: Sequence[Sequence[Segment]], probe: QueryProbe, first: int) -> kp.ChunkPatch:
+    """The patch of a text chunk for a fidelity target instead of a rank (`Window(max_kl=...)`).
+
+    Measured on the probe rows end to end (`tail_kl`: their next-token KL against the chunk's own
+    pass): blind reuse first; then the truncated fit at `rank`, twice that, and so on up to the
+    deficit's full rank, stopping at the first whose KL is at most `max_kl`. The lowest-KL option
+    measured is kept, blind reuse (no bytes) included, so the patch never reads worse than blind on
+    those rows and spends bytes only where blind reuse misses the target. Each measurement is one
+    forward of the probe rows, counted as "guard" in `stats`; `stats.kl_ranks` records the rank kept
+    (0: blind)."""
+    t0 = time.perf_counter()
+    cap = max(min(d.shape[0], d[0].numel()) for pair in deltas for d in pair)
+    empty = kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in deltas), "svd")
+    stats.count("guard", int(probe.rows.numel()))
+    best_kl = tail_kl(km, ids, canonical, None, segments, probe, first, start)
+    best, best_rank, r = empty, 0, min(rank, cap)
+    while best_kl is not None and best_kl > max_kl:
+        patch = kp.build_patch(deltas, [(r, r)] * len(deltas), "svd", storage=storage)
+        stats.count("guard", int(probe.rows.numel()))
+        kl = tail_kl(km, ids, canonical, patch, segments, probe, first, start)
+        if kl < best_kl:
+            best, best_kl, best_rank = patch, kl, r
+        if r >= cap:
+            break
+        r = min(2 * r, cap)
+    stats.kl_ranks.append(best_rank)
+    stats.seconds["guard"] += time.perf_counter() - t0
+    return best

@@ -13,14 +13,11 @@ placements is fitted from that same pass. The canonical encode runs once per con
 first chunk of a window it is the in-context pass itself). A chunk whose canonical KV and patch
 for this very antecedent are already stored is appended with no forward at all.
 
-Patch policies (`agentwin.policies`): "none" (blind reuse), "origin" (the patch fitted at append,
-reused for antecedents never seen), "orbit" (the mean deficit's fit over the antecedents measured;
-`fit_orbit` adds orders), "fresh" (a conditioned pass per new antecedent). `rank=None` means exact
-(full-rank, float32) patches: the window then reproduces a re-prefill.
-
-The patch guard (`guard=True`, off by default; `agentwin.guard`) keeps a rank-limited patch only
-where it beats blind reuse on the chunk's last rows, recorded in the pass it was fitted from: per
-layer on attention outputs, then whole on next-token logits (not for exact patches or MLA).
+Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
+for antecedents never seen), "orbit", "fresh" (a conditioned pass per new antecedent). `rank=None`:
+exact (full-rank, float32) patches, the window then reproduces a re-prefill. `guard=True` keeps a
+rank-limited patch only where it beats blind reuse on the chunk's last rows; `max_kl=x` fits each
+text chunk's patch for a KL target on those rows instead of a fixed rank (`agentwin.guard`).
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
@@ -38,14 +35,14 @@ from typing import Sequence
 import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
-from agentwin.guard import QueryProbe, guard_chunk
+from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
-from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, key_summary, timed
+from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
 from agentwin.window_io import WindowIO
-from agentwin.window_stats import WindowStats, kv_nbytes
+from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
@@ -58,13 +55,14 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
                  rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
-                 evict: str = "fifo", guard: bool = False) -> None:
+                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
         is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first. guard:
         keep a patch only where it beats blind reuse (`agentwin.guard`; not for exact patches or
         MLA). Off by default: on SmolLM2's document agent it took the time outside the model's
-        forwards from 8% to 24% of a step."""
+        forwards from 8% to 24% of a step. max_kl: next-token KL (nats) a text chunk's patch must
+        reach on its last rows; `rank` is then the first rank tried (`agentwin.guard.fit_to_kl`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
@@ -73,6 +71,8 @@ class Window:
             raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
         if not isinstance(guard, bool):
             raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
+        if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0):
+            raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -86,6 +86,7 @@ class Window:
         self._policy = POLICY_TYPES[patch]()
         self.storage = "fp32" if rank is None else storage
         self.guard = guard and rank is not None and km.layout.family != "mla"
+        self.max_kl = None if rank is None or km.layout.family == "mla" or max_kl is None else float(max_kl)
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
@@ -96,7 +97,7 @@ class Window:
         self._next_id = 0
         self._stats = WindowStats()
         self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
-        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard)
+        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard, self.max_kl)
         self.encoder = self._io.encoder
 
     # ---- operations ---------------------------------------------------------------------------
@@ -347,12 +348,7 @@ class Window:
     def stats(self) -> WindowStats:
         """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""
         self._stats.store = self.store.stats()
-        held = 0
-        for cid in self._order:
-            c = self._chunks[cid]
-            held += kv_nbytes(c.canonical) + (kv_nbytes(c.exact[2]) if c.exact else 0)
-            held += sum(p.nbytes for p in c.patches.values())
-        self._stats.held_bytes = held
+        self._stats.held_bytes = held_bytes([self._chunks[c] for c in self._order])
         return self._stats
 
     def check_integrity(self) -> None:
@@ -405,7 +401,7 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if self.guard else None
+        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if self.guard or self.max_kl else None
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0
@@ -421,9 +417,12 @@ class Window:
         self._policy.measured(self, chunk, antecedent, deltas)
         if self.rank is None:
             patch = kp.exact_patch(deltas)
+        elif self.max_kl is not None and probed is not None and chunk.inputs.kind == "text":
+            patch = fit_to_kl(self.km, self._stats, chunk.ids, self._hold(chunk), deltas, self.rank, self.storage,
+                              self.max_kl, start, *probed)
         else:
             patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
-            if probed is not None:
+            if probed is not None and self.guard:
                 patch = guard_chunk(self.km, self._stats, chunk.inputs.kind, chunk.ids, self._hold(chunk), patch,
                                     exact, start, *probed)
         self._stats.patch_bytes += patch.nbytes

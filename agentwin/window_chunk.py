@@ -13,6 +13,7 @@ from agentwin.models.adapter import ChunkInput
 from agentwin.models.kv import LayerKV
 from agentwin.orbit import Orbit
 from agentwin.store import ChunkKey
+from agentwin.window_stats import kv_nbytes
 from kamera_core import patch as kp
 
 ChunkId = NewType("ChunkId", int)
@@ -78,3 +79,9 @@ def check_invariants(order: Sequence[ChunkId], chunks: dict, pinned: set, layers
         for kv in held:
             if len(kv) != layers or kv[0][0].shape[0] != c.ids.numel():
                 raise RuntimeError(f"chunk {c.id} KV does not match its tokens; this indicates a bug")
+
+
+def held_bytes(chunks: Sequence[ChunkRecord]) -> int:
+    """KV and patch bytes these chunks reference: canonical KV, in-context KV, patches."""
+    return sum(kv_nbytes(c.canonical) + (kv_nbytes(c.exact[2]) if c.exact else 0)
+               + sum(p.nbytes for p in c.patches.values()) for c in chunks)

@@ -56,6 +56,7 @@ class WindowStats:
     guard_dropped: int = 0  # ... and dropped (they did not lower the probe error)
     guard_dropped_bytes: int = 0
     guard_fallbacks: int = 0  # patches dropped whole: blind reuse read the chunk's last rows as well
+    kl_ranks: list[int] = field(default_factory=list)  # with max_kl: the rank kept per fitted patch (0: blind)
     held_bytes: int = 0
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))

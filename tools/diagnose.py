@@ -7,8 +7,9 @@ Reports per layer the relative deficit ‖Δ‖/‖KV(B|A)‖ of K and V and the
 the top 8/16/32/64 directions, then next-token KL against a full re-prefill for blind reuse,
 oracle token recompute, each patch method at 1.5–25% of B's KV bytes, and `window`: the patch a
 `Window` at its default settings builds for B after A, its bytes as a share of B's KV and its KL
-(and `window+guard`: the same with the patch guard on, `agentwin.guard`). `--model` takes `smollm2` (the embedded model, default) or a local
-path / hub name that transformers can load.
+(and `window+guard`: the same with the patch guard on, `agentwin.guard`; `window+max_kl`: with a
+KL target instead of a rank, `Window(max_kl=...)`). `--model` takes `smollm2` (the embedded model,
+default) or a local path / hub name that transformers can load.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise([{"seed": 0, **figures}], [])
     summary["seeds"] = ["given chunks"]
     print_report(summary)
-    for name in ("window", "window+guard"):
+    for name in ("window", "window+guard", "window+max_kl"):
         w = figures[name]
+        target = f", max_kl {w['max_kl']:g}: rank kept {w['kl_ranks']}" if w.get("max_kl") else ""
         print(f"{name:<14} bytes {w['bytes_frac']:.2%} of B's KV, KL {w['kl']:.4f} (blind {figures['blind_kl']:.4f}; "
-              f"rank {w['rank']}, {w['storage']}, guard {'on' if w['guard'] else 'off'}"
+              f"rank {w['rank']}{target}, {w['storage']}, guard {'on' if w['guard'] else 'off'}"
               + (f": kept {w['guard_checked'] - w['guard_dropped']}/{w['guard_checked']} layer k/v patches"
                  f"{', fell back to blind' if w['guard_fallbacks'] else ''}" if w["guard"] else "") + ")")
     if args.json:

@@ -1,5 +1,6 @@
 """Does the patch guard do no harm? Blind reuse, plain SVD patches and guarded patches of the
-window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes.
+window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
+then the window with the case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
 
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from agentwin.eval.hard_cases import CASES, HardCase
+from agentwin.eval.harness import TARGET_KL
 from kamera_core import budget as kb
 from kamera_core.metrics import kl_divergence
 
@@ -84,6 +86,15 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
         log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
             f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})")
         row["budgets"].append(entry)
+    # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
+    # the ladder starting at the smallest budget's rank.
+    target = row.get("noise_floor", TARGET_KL)
+    window, b = _served(km, case, rank=rank_for(budgets[0], tokens, k[0].numel(), v[0].numel(), layers), max_kl=target)
+    kl = _kl(window, case, references)
+    patch = next(iter(window._chunks[b].patches.values()))
+    row["max_kl"] = {"target": target, "kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
+                     "ranks_kept": list(window.stats().kl_ranks)}
+    log(f"  max_kl {target:.2e}: KL {kl:.4f} ({patch.nbytes / kv_bytes:.2%}, rank kept {row['max_kl']['ranks_kept']})")
     return row
 
 

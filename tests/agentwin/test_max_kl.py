@@ -1,0 +1,63 @@
+"""`Window(max_kl=...)`: a fidelity target instead of a rank, checked against the model's own forward."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from agentwin.models.adapter import KameraModel
+from agentwin.window import Window
+from kamera_core.metrics import kl_divergence
+
+A = "the harbour master keeps the tide log in a tin box under the stairs of the old tower"
+B = "at dawn she climbed the stairs, opened it and wrote the storm surge, eleven feet, in red ink"
+QUERY = " who wrote the surge?"
+
+
+@functools.lru_cache(maxsize=None)
+def _km(name: str) -> KameraModel:
+    return KameraModel.from_pretrained(name)
+
+
+def _served_with_patch(km: KameraModel, **window_args):
+    """A then B; B evicted and recalled at its slot, so it is read as canonical KV + its stored
+    patch. Returns (window, KL of the window's next token against a re-prefill by the model's own
+    forward)."""
+    win = Window(km, budget_tokens=4096, **window_args)
+    win.append(A)
+    b = win.append(B)
+    win.evict(b)
+    win.recall(b)
+    return win, kl_divergence(win.reference_logprobs(QUERY), win.next_token_logprobs(QUERY), log_probs=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gemma3", "tiny-gpt-neox"])
+def test_a_tight_target_raises_the_rank_and_a_loose_one_spends_nothing(name):
+    km = _km(name)
+    _, blind = _served_with_patch(km, rank=1, patch="none")
+    fixed, kl_fixed = _served_with_patch(km, rank=1, storage="fp32")  # fp32 factors: no rounding floor
+    tight, kl_tight = _served_with_patch(km, rank=1, storage="fp32", max_kl=1e-12)
+    loose, kl_loose = _served_with_patch(km, rank=1, storage="fp32", max_kl=1e6)
+    assert fixed.stats().kl_ranks == []  # no target: the fixed rank, no probe
+    # Tight: the ladder climbs past the first rank; the patch is larger and reads much closer to
+    # the re-prefill than rank 1 and than blind reuse.
+    (rank,) = tight.stats().kl_ranks
+    assert rank > 1 and tight.stats().patch_bytes > fixed.stats().patch_bytes
+    assert tight.stats().forward_tokens["guard"] > 0  # the probe forwards are counted
+    assert kl_tight < 0.2 * kl_fixed and kl_tight < 0.2 * blind
+    # Loose: blind reuse already meets it, so no bytes are spent and B reads as blind reuse does.
+    assert loose.stats().kl_ranks == [0] and loose.stats().patch_bytes == 0
+    assert kl_loose == pytest.approx(blind, rel=1e-4, abs=1e-9)
+
+
+def test_max_kl_is_checked_and_ignored_for_exact_patches():
+    km = _km("tiny-llama-gqa")
+    for bad in (0, -1.0, "1e-3", True):
+        with pytest.raises(ValueError, match="max_kl must be a positive number"):
+            Window(km, max_kl=bad)
+    exact = Window(km, rank=None, max_kl=1e-3)
+    assert exact.max_kl is None
+    exact.append(A)
+    exact.append(B)
+    assert exact.stats().kl_ranks == []

@@ -4,7 +4,9 @@ One small object per policy behind one interface, chosen by `Window(patch=...)`:
 - `none` (`Blind`): blind reuse, canonical KV only, no patch ever;
 - `origin` (`Origin`): the patch fitted when the chunk was appended, as an approximation;
 - `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every antecedent measured;
-- `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass).
+- `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass);
+- `origin-neighbour` (`OriginNeighbour`): the origin patch only after the same last chunk as at
+  its origin, else blind reuse (a stale-patch guard, measured by `agentwin bench fidelity`).
 With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
 reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
 is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
@@ -41,7 +43,10 @@ class PatchPolicy:
         """The patch for an antecedent with no stored patch (may run a conditioned pass)."""
         if window.rank is None:
             return window._conditioned_patch(chunk, antecedent_ids)
-        return window._io.stored_patch(chunk, chunk.origin)
+        patch = window._io.stored_patch(chunk, chunk.origin)
+        if patch is not None:  # fitted after the origin, served after another antecedent
+            window._stats.stale_patches += 1
+        return patch
 
 
 class Blind(PatchPolicy):
@@ -53,6 +58,18 @@ class Blind(PatchPolicy):
 
 class Origin(PatchPolicy):
     name = "origin"
+
+
+class OriginNeighbour(PatchPolicy):
+    """The origin patch only where the chunk right before is the one that was right before it at
+    its origin (the antecedents share a last chunk); blind reuse after any other neighbour."""
+
+    name = "origin-neighbour"
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        if window.rank is not None and (not chunk.origin or window._keys(antecedent_ids[-1:]) != chunk.origin[-1:]):
+            return None
+        return super().unseen(window, chunk, antecedent_ids)
 
 
 class Fresh(PatchPolicy):
@@ -76,6 +93,8 @@ class OrbitPolicy(PatchPolicy):
         patch, fitted = chunk.orbit.fit(window.rank, window.storage)
         if fitted:
             window._stats.patch_bytes += patch.nbytes
+        if window._keys(antecedent_ids) not in chunk.orbit.seen:
+            window._stats.stale_patches += 1
         return patch
 
     def sample_orders(self, window: Window, orders: int, seed: int) -> int:
@@ -107,7 +126,7 @@ class OrbitPolicy(PatchPolicy):
         return len(seen)
 
 
-POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh)}
+POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour)}
 POLICIES = tuple(POLICY_TYPES)
 
 

@@ -35,6 +35,9 @@ class WindowStats:
     guard_checked / guard_dropped / guard_dropped_bytes: patch components (one layer's key or value
         patch) the patch guard checked, those it dropped and their bytes (`agentwin.guard`);
         guard_fallbacks: patches the guard dropped whole (not better than blind end to end).
+    stale_patches: placements served with a patch fitted after another antecedent than the one
+        the chunk has now (an origin patch after an eviction, recall or reorder before it; an orbit
+        fit at an antecedent it never measured), counted each time the window's KV is read.
     held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
         in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
         store's tiers (RAM, disk, device bytes) at the last stats() call.
@@ -56,6 +59,7 @@ class WindowStats:
     guard_dropped: int = 0  # ... and dropped (they did not lower the probe error)
     guard_dropped_bytes: int = 0
     guard_fallbacks: int = 0  # patches dropped whole: blind reuse read the chunk's last rows as well
+    stale_patches: int = 0  # placements served with a patch fitted after another antecedent
     kl_ranks: list[int] = field(default_factory=list)  # with max_kl: the rank kept per fitted patch (0: blind)
     held_bytes: int = 0
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))

@@ -411,13 +411,14 @@ class AgentwinStrategy(Strategy):
     never has to evict (checked after every operation)."""
 
     def __init__(self, km: KameraModel, name: str, patch: str = "origin", rank: int | None = 16,
-                 budget_tokens: int = 8192) -> None:
+                 budget_tokens: int = 8192, guard: bool = False) -> None:
         super().__init__(km)
         from agentwin.window import Window
 
         self.name = name
-        self.window = Window(km, budget_tokens=budget_tokens, patch=patch, rank=rank)
+        self.window = Window(km, budget_tokens=budget_tokens, patch=patch, rank=rank, guard=guard)
         self._id: dict[int, Any] = {}
+        self.stale: list[int] = []  # per decision: placements served with a stale patch
 
     def _check(self, expected: list[int]) -> None:
         if self.window.chunks() != [self._id[c] for c in expected]:
@@ -447,7 +448,9 @@ class AgentwinStrategy(Strategy):
         # As `Window.generate` reads the window: the chunks' segments (a patch or conditioned
         # pass where the placement needs one, counted by the window), then the query and the
         # decoded tokens as the cache's dense tail (counted here).
+        stale = self.window.stats().stale_patches
         segments = self.window._segments(self.window.chunks())
+        self.stale.append(self.window.stats().stale_patches - stale)
         reading, _ = self._segment_decide(segments, self.window.tokens(), query, greedy)
         return reading
 
@@ -465,4 +468,5 @@ class AgentwinStrategy(Strategy):
         stats = self.window.stats()
         return {"patch": self.window.policy, "rank": self.window.rank, "conditioned_passes": stats.conditioned_passes,
                 "patch_hits": stats.patch_hits, "patch_misses": stats.patch_misses,
-                "canonical_hits": stats.canonical_hits, "relocations": stats.relocations}
+                "canonical_hits": stats.canonical_hits, "relocations": stats.relocations,
+                "guard": self.window.guard, "patch_bytes": stats.patch_bytes, "stale_per_decision": list(self.stale)}

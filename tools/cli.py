@@ -15,6 +15,7 @@
     agentwin bench fleet --json FILE        a pool of agent workers: shared store vs private stores
     agentwin bench steps --json FILE        agent step time: the model's forwards vs everything else
     agentwin bench trace --json FILE        agent traces: re-prefill vs prefix cache vs streaming vs agentwin (docs/results/TRACE.md)
+    agentwin bench fidelity --json FILE     patches under byte budgets and stale patches on the traces (docs/results/FIDELITY.md)
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
     agentwin diagnose --case code           the same on a built-in hard case (code, roles, table, steps)
 
@@ -39,7 +40,7 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
     from tools import batch_cli, bench_fleet, bench_steps
-    from tools import bench_trace
+    from tools import bench_fidelity, bench_trace
     from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(kinds, "recall", bench_recall, "time from recall of an evicted chunk to the first token vs re-prefill and blind reuse")
     _command(kinds, "fleet", bench_fleet, "agent workers with one shared store vs a private store each: encodes, hit rate, wall time")
     _command(kinds, "trace", bench_trace, "agent traces through re-prefill, prefix caching, streaming and agentwin: tokens, fidelity")
+    _command(kinds, "fidelity", bench_fidelity, "patch fidelity under byte budgets and stale patches vs blind reuse on the traces")
     _command(kinds, "steps", bench_steps, "median agent step time on SmolLM2, the model's forwards vs everything else")
     _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")
     _command(sub, "diagnose", diagnose, "the deficit of chunk B after chunk A, per layer, and what patches recover")

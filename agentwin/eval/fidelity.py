@@ -1,0 +1,276 @@
+"""Patch fidelity under byte budgets, on the agent traces and on stale patches.
+
+Every trace (`agentwin.eval.trace`) is replayed in one process on one model through the float32
+re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
+(`Window(patch="none")`) and the agentwin window with rank-limited patches. A byte budget is a
+fraction of a chunk's canonical KV bytes; `rank_for_budget` turns it into the largest rank whose
+patch (`kamera_core.budget.bytes_per_rank`, every layer's keys and values) fits the budget for
+every chunk of the trace. Fits: "origin" (the window's default: origin patches), "origin+guard"
+(the same with `guard=True`), "orbit" (orbit patches, no extra orders).
+
+A decision is a stale case when the default fit served some chunk with a patch fitted after
+another antecedent than the one it has now (`WindowStats.stale_patches` grew while the window's
+KV was read for that decision). At each stale case KL(reference || agentwin) is set against
+KL(reference || blind reuse) at the same decision. Stale-patch guards (`agentwin.policies`, e.g.
+"origin-neighbour") are replayed at the headline budget and chosen on the validation traces (the
+doc trace and the hard-case traces); the other traces report the choice.
+
+The hard-case traces (`hard_case_trace`) put each of `agentwin.eval.hard_cases` after a filler
+chunk, then evict and recall around it so that its second chunk is read after antecedents it
+was not fitted on.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from agentwin.eval.hard_cases import hard_case, hard_case_names
+from agentwin.eval.strategies import AgentwinStrategy, Reprefill
+from agentwin.eval.trace import Trace, measure, row_of, score, summarize
+from kamera_core.budget import bytes_per_rank
+
+BUDGETS = (0.015, 0.03, 0.06, 0.12)
+HEADLINE = 0.06
+FITS = {"origin": ("origin", False), "origin+guard": ("origin", True), "orbit": ("orbit", False)}
+DEFAULT_FITS = ("origin", "origin+guard")
+DEFAULT_FIT = "origin"
+STALE_GUARDS = ("origin-neighbour",)
+AGENT_TRACES = ("doc", "web", "video")
+VALIDATION = ("doc",)  # plus every hard-case trace
+TARGET_POINTS = 0.05
+TARGET = (f"At ≤ {HEADLINE:.0%} of a chunk's canonical KV bytes, the patched window's mean next-token KL is at most "
+          f"the bf16 noise floor's and its greedy-16 agreement within {TARGET_POINTS * 100:.0f} points of the floor's; "
+          "no stale case where the patched window is further from the re-prefill than blind reuse "
+          "(stale_worse_than_blind = 0).")
+FILLER = ("Weather note for the bay: a light westerly wind, scattered cloud over the hills and a dry afternoon. "
+          "The ferry timetable is unchanged and the market opens at nine.")
+STORAGE = "fp16"  # the window's patch storage (Window's default)
+
+
+def kv_shapes(km: Any) -> list[tuple[int, int, int, int]]:
+    """Per layer (key features, key bytes per element, value features, value bytes per element)
+    of the model's canonical KV, read from a one-token encode."""
+    kv = km.encode(km.tokenize("a")[:1])
+    return [(k[0].numel(), k.element_size(), v[0].numel(), v.element_size()) for k, v in kv]
+
+
+def patch_fraction(shapes: Sequence[tuple[int, int, int, int]], tokens: int, rank: int, storage: str = STORAGE) -> float:
+    """Bytes of a rank-`rank` patch on every layer's keys and values of a `tokens`-token chunk over
+    the chunk's canonical KV bytes."""
+    patch = sum(rank * (bytes_per_rank(tokens, fk, storage) + bytes_per_rank(tokens, fv, storage))
+                for fk, _, fv, _ in shapes)
+    canonical = sum(tokens * (fk * ik + fv * iv) for fk, ik, fv, iv in shapes)
+    return patch / canonical
+
+
+def rank_for_budget(shapes: Sequence[tuple[int, int, int, int]], chunk_tokens: Sequence[int], fraction: float,
+                    storage: str = STORAGE) -> int:
+    """The largest rank whose patch is at most `fraction` of the canonical KV bytes of every chunk
+    (`chunk_tokens`: their token counts); 0 when not even rank 1 fits."""
+    if not chunk_tokens or fraction <= 0:
+        return 0
+    per_rank = max(patch_fraction(shapes, t, 1, storage) for t in chunk_tokens)
+    return int(fraction / per_rank + 1e-9)  # floor, with a margin for the division's rounding
+
+
+def hard_case_trace(name: str, questions: int = 2) -> Trace:
+    """[filler, A, B] of the hard case `name`, read after its questions; then B after the filler
+    alone (A evicted), after A and the filler (A recalled to the front), after A alone (filler
+    evicted). B's origin patch was fitted after (filler, A): the last three states are stale."""
+    case = hard_case(name)
+    ops: list[dict[str, Any]] = [{"op": "append", "chunk": c} for c in (0, 1, 2)]
+    steps = [[], [{"op": "evict", "chunk": 1}], [{"op": "recall", "chunk": 1, "at": 0}], [{"op": "evict", "chunk": 0}]]
+    step = 0
+    for before in steps:
+        ops += before
+        for q in case.questions[:questions]:
+            ops.append({"op": "decide", "step": step, "query": q})
+            step += 1
+    return Trace(f"hard-{name}", 4096, {0: FILLER, 1: case.a, 2: case.b}, ops,
+                 {"agent": f"hard case {name!r} (agentwin.eval.hard_cases) after a filler chunk",
+                  "source": "evict A, recall it to the front, evict the filler"})
+
+
+def hard_case_traces(names: Sequence[str] | None = None, questions: int = 2) -> list[Trace]:
+    return [hard_case_trace(n, questions) for n in (names if names is not None else hard_case_names())]
+
+
+def patched_chunks(trace: Trace) -> list[int]:
+    """The chunks appended after another chunk (those the window fits a patch for)."""
+    order: list[int] = []
+    out = []
+    for op in trace.ops:
+        if op["op"] == "append":
+            if order:
+                out.append(op["chunk"])
+            order.append(op["chunk"])
+        elif op["op"] == "evict":
+            order.remove(op["chunk"])
+        elif op["op"] == "recall":
+            order.insert(int(op["at"]), op["chunk"])
+    return out
+
+
+def trace_ranks(km: Any, trace: Trace, shapes: Sequence, budgets: Sequence[float]) -> dict[str, Any]:
+    """Token counts of the trace's patched chunks and the rank of each budget."""
+    tokens = [int(km.tokenize(trace.chunks[c]).numel()) for c in patched_chunks(trace)]
+    ranks = {f"{b:g}": rank_for_budget(shapes, tokens, b) for b in budgets}
+    return {"chunk_tokens": tokens, "ranks": ranks,
+            "bytes_fraction": {k: (max(patch_fraction(shapes, t, r) for t in tokens) if r else 0.0)
+                               for k, r in ranks.items()}}
+
+
+def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Sequence[float] = BUDGETS,
+              fits: Sequence[str] = DEFAULT_FITS, guards: Sequence[str] = STALE_GUARDS, greedy: int = 16,
+              floor: bool = True, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every strategy over one trace; per-decision rows against the reference and the stale cases."""
+    sizing = trace_ranks(km, trace, shapes, budgets)
+    budget = trace.budget_tokens
+    reference, ref_timing = measure(trace, lambda: Reprefill(km), 1, greedy, log)
+    runs: dict[str, tuple[Any, dict, list]] = {}
+
+    def add(name: str, make: Callable[[], Any]) -> None:
+        run, timing = measure(trace, make, 1, greedy, log)
+        runs[name] = (run, timing, score(trace, reference, run, km.tokenizer, greedy))
+
+    if floor:
+        add("reprefill-bf16", lambda: Reprefill(km, bf16, "reprefill-bf16"))
+    add("blind", lambda: AgentwinStrategy(km, "blind", "none", 16, budget))
+    done: dict[tuple[str, int], str] = {}
+    grid: dict[str, dict[str, str]] = {fit: {} for fit in fits}
+    for b in budgets:
+        rank = sizing["ranks"][f"{b:g}"]
+        for fit in fits:
+            if rank < 1:
+                continue
+            name = done.get((fit, rank))
+            if name is None:
+                name = done[(fit, rank)] = f"{fit}-r{rank}"
+                patch, guard = FITS[fit]
+                add(name, lambda p=patch, g=guard, r=rank, n=name: AgentwinStrategy(km, n, p, r, budget, g))
+            grid[fit][f"{b:g}"] = name
+    head_rank = sizing["ranks"][f"{HEADLINE:g}"]
+    default = grid.get(DEFAULT_FIT, {}).get(f"{HEADLINE:g}")
+    for policy in guards if head_rank >= 1 else ():
+        add(f"{policy}-r{head_rank}", lambda p=policy: AgentwinStrategy(km, f"{p}-r{head_rank}", p, head_rank, budget))
+    stale = stale_cases(runs, default, [f"{p}-r{head_rank}" for p in guards if head_rank >= 1])
+    return {"trace": trace.summary(), "revisits": trace.revisits, **sizing, "grid": grid, "default": default,
+            "reference": row_of(reference, ref_timing, summarize(score(trace, reference, reference, km.tokenizer,
+                                                                        greedy))),
+            "strategies": {n: row_of(run, timing, summarize(rows)) for n, (run, timing, rows) in runs.items()},
+            "per_decision": {n: rows for n, (_, _, rows) in runs.items()}, "stale": stale}
+
+
+def stale_cases(runs: dict[str, tuple[Any, dict, list]], default: str | None, guards: Sequence[str]) -> list[dict]:
+    """The decisions where the default fit served a stale patch, with KL of it, of blind reuse and
+    of each stale guard there."""
+    if default is None:
+        return []
+    run, _, rows = runs[default]
+    out = []
+    for index, count in enumerate(run.info["stale_per_decision"]):
+        if count > 0:
+            case = {"decision": index, "step": rows[index]["step"], "stale_placements": count,
+                    "kl": rows[index]["kl"], "kl_blind": runs["blind"][2][index]["kl"],
+                    "greedy": rows[index]["greedy"], "greedy_blind": runs["blind"][2][index]["greedy"]}
+            case["kl_guards"] = {g.rsplit("-r", 1)[0]: runs[g][2][index]["kl"] for g in guards}
+            out.append(case)
+    return out
+
+
+def stale_summary(cases: Sequence[dict], key: str = "kl") -> dict[str, Any]:
+    """Counts over stale cases of the patched KL in `key` against blind reuse's."""
+    kl = [c[key] if key == "kl" else c["kl_guards"][key] for c in cases]
+    ratios = [k / c["kl_blind"] for k, c in zip(kl, cases) if c["kl_blind"] > 0]
+    return {"stale_cases": len(cases), "worse_than_blind": sum(k > c["kl_blind"] for k, c in zip(kl, cases)),
+            "mean_ratio": sum(ratios) / len(ratios) if ratios else None,
+            "kl_mean": sum(kl) / len(kl) if kl else None,
+            "kl_blind_mean": sum(c["kl_blind"] for c in cases) / len(cases) if cases else None}
+
+
+def pooled(traces: dict[str, Any], names: Sequence[str], pick: Callable[[dict], str | None]) -> dict[str, Any]:
+    """`summarize` over the decisions of `names`, the strategy of each trace given by `pick`."""
+    rows: list[dict] = []
+    for name in names:
+        strategy = pick(traces[name])
+        if strategy is None:
+            return {"decisions": 0}
+        rows += traces[name]["per_decision"][strategy]
+    return summarize(rows)
+
+
+def choose_guard(traces: dict[str, Any], validation: Sequence[str], test: Sequence[str],
+                 guards: Sequence[str]) -> dict[str, Any]:
+    """Each candidate ("origin" as it is, and each guard) on the validation traces' stale cases:
+    the fewest cases worse than blind, ties by the lower mean KL; the test traces' figures of all."""
+    def cases(names: Sequence[str]) -> list[dict]:
+        return [c for n in names for c in traces[n]["stale"]]
+
+    candidates = [DEFAULT_FIT] + [g for g in guards if all(g in c["kl_guards"] for c in cases(validation))]
+    figures = {c: {"validation": stale_summary(cases(validation), "kl" if c == DEFAULT_FIT else c),
+                   "test": stale_summary(cases(test), "kl" if c == DEFAULT_FIT else c)} for c in candidates}
+    valid = [c for c in candidates if figures[c]["validation"]["stale_cases"]]
+    chosen = min(valid, key=lambda c: (figures[c]["validation"]["worse_than_blind"],
+                                       figures[c]["validation"]["kl_mean"])) if valid else None
+    return {"validation": list(validation), "test": list(test), "figures": figures, "chosen": chosen}
+
+
+def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BUDGETS,
+                 fits: Sequence[str] = DEFAULT_FITS, guards: Sequence[str] = STALE_GUARDS, greedy: int = 16,
+                 log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Results over every trace; the headline fields pool the agent traces' decisions (the traces
+    not named `hard-*`), the hard-case traces are reported on their own."""
+    if HEADLINE not in budgets or DEFAULT_FIT not in fits:
+        raise ValueError(f"budgets must include {HEADLINE} and fits {DEFAULT_FIT!r}")
+    unknown = [f for f in fits if f not in FITS]
+    if unknown:
+        raise ValueError(f"unknown fits {unknown}; choose from {list(FITS)}")
+    shapes = kv_shapes(km)
+    bf16 = copy.deepcopy(km.model).to(torch.bfloat16).eval()
+    out: dict[str, Any] = {"traces": {}}
+    for trace in traces:
+        log(f"{trace.name}: {trace.decisions} decisions, {len(trace.chunks)} chunks, budget {trace.budget_tokens}")
+        if trace.name.startswith("hard-"):  # validation of the stale guard: the headline budget and fit only
+            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, [HEADLINE], [DEFAULT_FIT], guards, greedy,
+                                                  False, log)
+        else:
+            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, budgets, fits, guards, greedy, True, log)
+    agent = [n for n in out["traces"] if not n.startswith("hard-")]
+    hard = [n for n in out["traces"] if n.startswith("hard-")]
+    entries = out["traces"]
+    head = pooled(entries, agent, lambda e: e["default"])
+    floor = pooled(entries, agent, lambda e: "reprefill-bf16")
+    stale = [c for n in agent for c in entries[n]["stale"]]
+    s = stale_summary(stale)
+    out.update({"greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
+                "noise_floor_greedy16": floor.get("greedy16"), "noise_floor_kl": floor.get("kl_mean"),
+                "stale_worse_than_blind": s["worse_than_blind"], "stale_cases": s["stale_cases"],
+                "stale_cases_by_trace": {n: len(entries[n]["stale"]) for n in entries},
+                "stale_mean_ratio": s["mean_ratio"], "stale": s, "at_6pct": head, "noise_floor": floor,
+                "blind": pooled(entries, agent, lambda e: "blind"),
+                "ranks_at_6pct": {n: entries[n]["ranks"][f"{HEADLINE:g}"] for n in entries},
+                "hard_cases": {"stale": stale_summary([c for n in hard for c in entries[n]["stale"]]),
+                               "at_6pct": pooled(entries, hard, lambda e: e["default"]),
+                               "blind": pooled(entries, hard, lambda e: "blind")} if hard else None})
+    validation = [n for n in entries if n in VALIDATION or n.startswith("hard-")]
+    out["stale_guard"] = choose_guard(entries, validation, [n for n in entries if n not in validation], guards)
+    for g in guards:
+        out["stale_guard"].setdefault("pooled", {})[g] = pooled(
+            entries, agent, lambda e, g=g: next((n for n in e["strategies"] if n.startswith(g + "-r")), None))
+    out["target"] = verdict(out)
+    return out
+
+
+def verdict(out: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets on the pooled figures."""
+    kl, floor_kl = out["kl_at_6pct"], out["noise_floor_kl"]
+    agree, floor_agree = out["greedy16_at_6pct"], out["noise_floor_greedy16"]
+    kl_met = kl is not None and floor_kl is not None and kl <= floor_kl
+    greedy_met = agree is not None and floor_agree is not None and agree >= floor_agree - TARGET_POINTS - 1e-12
+    stale_met = out["stale_worse_than_blind"] == 0
+    return {"statement": TARGET, "kl_met": kl_met, "greedy_met": greedy_met, "stale_met": stale_met,
+            "met": kl_met and greedy_met and stale_met}

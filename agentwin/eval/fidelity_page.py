@@ -1,0 +1,173 @@
+"""The results page of `agentwin bench fidelity` (docs/results/FIDELITY.md), from its JSON."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from agentwin.eval.fidelity import DEFAULT_FIT, FITS, HEADLINE, TARGET_POINTS
+from agentwin.eval.trace_bench import _f, _pct
+
+
+def _met(flag: bool) -> str:
+    return "met" if flag else "missed"
+
+
+def _kl(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _rate(x: Any) -> str:
+    return "n/a" if x is None else _pct(x)
+
+
+def _window_default() -> str:
+    from agentwin.window import Window
+
+    return inspect.signature(Window.__init__).parameters["patch"].default
+
+
+def _rank_cell(entry: dict[str, Any], budget: str) -> str:
+    rank = entry["ranks"].get(budget)
+    if rank is None:
+        return ""
+    return f"{rank} ({entry['bytes_fraction'][budget]:.2%})" if rank else "0 (none fits)"
+
+
+def render_page(result: dict[str, Any]) -> str:
+    """Markdown of a results dict (the `--json` layout)."""
+    s, t = result["settings"], result["target"]
+    head = f"{HEADLINE:g}"
+    lines = ["# Patch fidelity under byte budgets, and stale patches", "",
+             f"Written by `{result['command']}` (do not edit by hand; run it again).", "",
+             (f"Model: {result['model']}. Torch threads: {result['threads']}. Load average at start "
+             f"{', '.join(f'{x:.2f}' for x in result['loadavg_start'])}, at end "
+             f"{', '.join(f'{x:.2f}' for x in result['loadavg_end'])} (a shared {result['cpus']}-CPU machine). "
+             f"Total {result['wall_s_total']:.0f} s. Grid: budgets {', '.join(f'{b:.1%}' for b in s['budgets'])} of "
+             f"a chunk's canonical KV bytes; fits {', '.join(s['fits'])}; stale-patch guards "
+             f"{', '.join(s['guards']) or 'none'}; traces {', '.join(s['traces'])}; greedy {s['greedy']} tokens"
+             f"{'; quick sizes' if s['quick'] else ''}."), "",
+             "## Targets", "", t["statement"], "",
+             (f"- KL at ≤ {HEADLINE:.0%} bytes (`{DEFAULT_FIT}` fit, pooled over the agent traces' decisions): "
+             f"{_kl(result['kl_at_6pct'])} against the bf16 noise floor's {_kl(result['noise_floor_kl'])}: "
+             f"**{_met(t['kl_met'])}**."),
+             (f"- Greedy-16 agreement at ≤ {HEADLINE:.0%} bytes: {_rate(result['greedy16_at_6pct'])} against the "
+             f"floor's {_rate(result['noise_floor_greedy16'])} (target: within {TARGET_POINTS * 100:.0f} points): "
+             f"**{_met(t['greedy_met'])}**."),
+             (f"- Stale cases on the agent traces: {result['stale_cases']}; patched window further from the "
+             f"re-prefill than blind reuse in {result['stale_worse_than_blind']} of them (target 0): "
+             f"**{_met(t['stale_met'])}**."), "",
+             f"**Targets {'met' if t['met'] else 'missed'}.**", "",
+             "| pooled over the agent traces | decisions | KL mean | top-1 | greedy-16 | same action |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label, row in ((f"agentwin `{DEFAULT_FIT}` at ≤ {HEADLINE:.0%} bytes", result["at_6pct"]),
+                       ("blind reuse", result["blind"]), ("bf16 re-prefill (noise floor)", result["noise_floor"])):
+        if row.get("decisions"):
+            lines.append(f"| {label} | {row['decisions']} | {_kl(row['kl_mean'])} | {_pct(row['top1'])} | "
+                         f"{_pct(row['greedy16'])} | {_pct(row['same_action'])} |")
+    lines += ["", "## Ranks from byte budgets", "",
+              ("A rank-r patch costs r · (T + F) · 2 bytes per layer for keys and as much for values (fp16 factors, "
+              "`kamera_core.budget.bytes_per_rank`; T the chunk's tokens, F the features per token), against "
+              "T · F · 4 bytes of canonical float32 KV. The rank of a trace is the largest whose patch fits the "
+              "budget for every chunk of the trace that takes a patch (appended after another chunk; the shortest "
+              "decides). Cells: rank (largest patch bytes "
+              "over canonical bytes among the trace's chunks)."), "",
+              "| trace | chunk tokens | " + " | ".join(f"{b:.1%}" for b in s["budgets"]) + " |",
+              "| --- | --- | " + " | ".join("---:" for _ in s["budgets"]) + " |"]
+    for name, e in result["traces"].items():
+        cells = [_rank_cell(e, f"{b:g}") for b in s["budgets"]]
+        lines.append(f"| {name} | {min(e['chunk_tokens'])}–{max(e['chunk_tokens'])} | " + " | ".join(cells) + " |")
+    lines += ["", "## Fits × budgets × traces", "",
+              ("KL mean (nats) / greedy-16 agreement against the float32 re-prefill at every decision of the trace; "
+              "blind reuse and the noise floor for comparison. A budget too small for rank 1 has no entry. The "
+              f"hard-case traces (validation of the stale guard) run the `{DEFAULT_FIT}` fit at {HEADLINE:.0%} only "
+              "and have no noise floor."), "",
+              "| trace | fit | " + " | ".join(f"{b:.1%}" for b in s["budgets"]) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in s["budgets"]) + " |"]
+    for name, e in result["traces"].items():
+        rows = e["strategies"]
+        for fit in s["fits"]:
+            cells = []
+            for b in s["budgets"]:
+                strategy = e["grid"].get(fit, {}).get(f"{b:g}")
+                cells.append("" if strategy is None else f"{_kl(rows[strategy]['kl_mean'])} / "
+                             f"{_pct(rows[strategy]['greedy16'])}")
+            lines.append(f"| {name} | {fit} | " + " | ".join(cells) + " |")
+        blind = rows["blind"]
+        lines.append(f"| {name} | blind reuse | {_kl(blind['kl_mean'])} / {_pct(blind['greedy16'])} (any budget) |"
+                     + " |" * (len(s["budgets"]) - 1))
+        if "reprefill-bf16" in rows:
+            fl = rows["reprefill-bf16"]
+            lines.append(f"| {name} | bf16 noise floor | {_kl(fl['kl_mean'])} / {_pct(fl['greedy16'])} |"
+                         + " |" * (len(s["budgets"]) - 1))
+    lines += _stale_section(result, head)
+    lines += ["", "## How it was measured", "",
+              ("The agent traces are recorded as for `agentwin bench trace` (`agentwin.eval.traces`: the project's "
+              "agents run by the agent loop with a scripted decider); the hard-case traces are built from "
+              "`agentwin.eval.hard_cases` (`agentwin.eval.fidelity.hard_case_trace`): a filler chunk, then the "
+              "case's two chunks A and B, read after two of its questions; then A evicted, A recalled to the front, "
+              "the filler evicted, each read after the same questions. Every strategy replays the identical "
+              "operations in this one process on the same model and threads (`agentwin.eval.trace.replay`)."),
+              "",
+              ("At every decision: the next-token distribution after the query and the greedy continuation "
+              f"({s['greedy']} tokens). KL(reference ‖ strategy) in nats against the float32 re-prefill of the same "
+              "tokens, greedy-16 agreement (the continuations identical), same action (`agents.actions."
+              "parse_action`; the hard cases' replies are not actions). The noise floor is a bfloat16 copy of the "
+              "model re-prefilling the same inputs (agent traces only)."), "",
+              "| fit | what it is |", "| --- | --- |",
+              "| origin | `Window(patch=\"origin\", rank=r)`: the patch fitted at append, served after any antecedent |",
+              ("| origin+guard | the same with `guard=True` (`agentwin.guard`: a patch component kept only where it "
+              "beats blind reuse on the chunk's last rows) |"),
+              "| orbit | `Window(patch=\"orbit\", rank=r)`, no `fit_orbit` orders |",
+              "| blind reuse | `Window(patch=\"none\")`: canonical KV re-rotated, no patch |"]
+    unused = [f for f in FITS if f not in s["fits"]]
+    if unused:
+        lines.append(f"\nNot in this run's grid: {', '.join(unused)}.")
+    return "\n".join(lines + [""])
+
+
+def _stale_section(result: dict[str, Any], head: str) -> list[str]:
+    st, guard = result["stale"], result["stale_guard"]
+    hard = result.get("hard_cases") or {}
+    lines = ["", "## Stale patches", "",
+             (f"A stale case is a decision where the `{DEFAULT_FIT}` fit at ≤ {HEADLINE:.0%} bytes served some "
+             "chunk with a patch fitted after another antecedent than the one it has now (evictions, recalls or "
+             "reorders before it), as `WindowStats.stale_patches` counts. At each one, KL of the patched window "
+             "is set against KL of blind reuse at the same decision."), "",
+             ("| traces | stale cases | patched worse than blind | mean KL ratio patched / blind | KL patched | "
+             "KL blind |"), "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label, x in (("agent traces", st), ("hard-case traces", hard.get("stale"))):
+        if x:
+            lines.append(f"| {label} | {x['stale_cases']} | {x['worse_than_blind']} | {_f(x['mean_ratio'])} | "
+                         f"{_kl(x['kl_mean'])} | {_kl(x['kl_blind_mean'])} |")
+    lines += ["", "Stale cases per trace: " + ", ".join(f"{n} {c}" for n, c in result["stale_cases_by_trace"].items())
+              + ".", "", "| trace | step | stale placements | KL patched | KL blind | "
+              + " | ".join(f"KL {g}" for g in result["settings"]["guards"]) + " | greedy-16 patched / blind |",
+              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in result["settings"]["guards"])
+              + " | --- |"]
+    for name, e in result["traces"].items():
+        for c in e["stale"]:
+            guards = " | ".join(_kl(c["kl_guards"].get(g)) for g in result["settings"]["guards"])
+            lines.append(f"| {name} | {c['step']} | {c['stale_placements']} | {_kl(c['kl'])} | {_kl(c['kl_blind'])} | "
+                         f"{guards} | {'yes' if c['greedy'] else 'no'} / {'yes' if c['greedy_blind'] else 'no'} |")
+    lines += ["", "### Stale-patch guard", "",
+              "Tried: " + ", ".join(f"`{g}`" for g in ["origin (no guard)"] + result["settings"]["guards"])
+              + f", each at the trace's {HEADLINE:.0%} rank. `origin-neighbour` serves the origin patch only when "
+              "the chunk right before is the one that was right before it at its origin (the antecedents' last "
+              "chunks agree), blind reuse otherwise. Chosen on the validation traces ("
+              + ", ".join(guard["validation"]) + ") by the fewest stale cases worse than blind, then the lower mean "
+              "KL there; reported on the test traces (" + (", ".join(guard["test"]) or "none") + ").", "",
+              ("| candidate | validation: cases / worse than blind / mean KL | test: cases / worse than blind / "
+              "mean KL |"), "| --- | --- | --- |"]
+    for name, f in guard["figures"].items():
+        v, te = f["validation"], f["test"]
+        lines.append(f"| {name} | {v['stale_cases']} / {v['worse_than_blind']} / {_kl(v['kl_mean'])} | "
+                     f"{te['stale_cases']} / {te['worse_than_blind']} / {_kl(te['kl_mean'])} |")
+    lines += ["", (f"Chosen on validation: `{guard['chosen']}`. Over every decision of the agent traces (the guard "
+              "also changes what later chunks' in-context passes read):")]
+    for g, row in guard.get("pooled", {}).items():
+        if row.get("decisions"):
+            lines.append(f"- `{g}`: KL mean {_kl(row['kl_mean'])}, greedy-16 {_pct(row['greedy16'])} "
+                         f"(`{DEFAULT_FIT}`: {_kl(result['kl_at_6pct'])}, {_rate(result['greedy16_at_6pct'])}).")
+    lines.append(f"\nThe window's default policy in this run: `{_window_default()}`.")
+    return lines

@@ -1,0 +1,139 @@
+"""`agentwin bench fidelity`'s library: the stale-patch counter of the window, ranks from byte
+budgets against the bytes the window's patches take, stale cases found in a replay of a hand-built
+trace, and the results' fields on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentwin.eval import fidelity as fid
+from agentwin.eval.fidelity_page import render_page
+from agentwin.eval.trace import Trace
+from agentwin.models.adapter import KameraModel
+from agentwin.window import Text, Window
+
+TEXTS = {0: "the harbour master keeps the tide log and the storm book",
+         1: " she wrote the storm surge in it, twice, at dawn and at dusk",
+         2: " the keeper climbed the tower at dawn to replace the cracked lens"}
+QUERY = " who climbed the tower? "
+
+
+@pytest.fixture(scope="module")
+def km() -> KameraModel:
+    torch.manual_seed(0)
+    return KameraModel.from_pretrained("tiny-llama-gqa")
+
+
+def _window(km: KameraModel, patch: str, rank: int | None = 4) -> tuple[Window, list]:
+    win = Window(km, budget_tokens=4096, patch=patch, rank=rank)
+    return win, [win.append(Text(TEXTS[c])) for c in (0, 1, 2)]
+
+
+def test_stale_patches_counts_origin_patches_after_another_antecedent(km):
+    win, (a, _b, _c) = _window(km, "origin")
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 0  # every chunk where it was appended: exact in-context KV
+    win.evict(a)  # b at the front (no patch), c after (b) where it was fitted after (a, b)
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 1
+    win.next_token_logprobs(QUERY)  # counted at every read of the window
+    assert win.stats().stale_patches == 2
+    win.recall(a, at=0)  # back where it was: c and b at their origins again
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 2
+
+
+@pytest.mark.parametrize("patch, rank", [("none", 4), ("origin", None), ("fresh", 4)])
+def test_stale_patches_stay_zero_without_stale_patches(km, patch, rank):
+    win, (a, _b, _c) = _window(km, patch, rank)
+    win.evict(a)
+    win.next_token_logprobs(QUERY)
+    win.recall(a, at=2)
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 0
+
+
+def test_origin_neighbour_serves_the_origin_patch_only_after_the_same_last_chunk(km):
+    win, (a, b, _c) = _window(km, "origin-neighbour")
+    win.evict(b)  # c after (a), fitted after (a, b): another last chunk, blind
+    reads = [win.next_token_logprobs(QUERY)]
+    assert win.stats().stale_patches == 0
+    win.recall(b, at=0)  # [b, a, c]: c after (b, a), last chunk a again not b
+    win.evict(a)  # [b, c]: c after (b): the same last chunk as at its origin, the origin patch
+    reads.append(win.next_token_logprobs(QUERY))
+    assert win.stats().stale_patches == 1
+    blind, (_a2, b2, _c2) = _window(km, "none")
+    blind.evict(b2)
+    assert torch.allclose(reads[0], blind.next_token_logprobs(QUERY), atol=1e-5)  # blind there, as promised
+    origin, (_a3, b3, _c3) = _window(km, "origin")
+    origin.evict(b3)
+    assert not torch.allclose(reads[0], origin.next_token_logprobs(QUERY), atol=1e-5)
+
+
+def test_ranks_from_budgets_match_the_bytes_the_window_spends(km):
+    shapes = fid.kv_shapes(km)
+    win, (_a, b, _c) = _window(km, "origin", rank=3)
+    canonical = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in km.encode(km.tokenize(TEXTS[1])))
+    patch = win._io.stored_patch(win._chunks[b], win._chunks[b].origin)
+    assert patch.nbytes == pytest.approx(fid.patch_fraction(shapes, int(km.tokenize(TEXTS[1]).numel()), 3) * canonical)
+    tokens = [int(km.tokenize(t).numel()) for t in TEXTS.values()]
+    for fraction in (0.015, 0.06, 0.12):
+        rank = fid.rank_for_budget(shapes, tokens, fraction)
+        assert all(fid.patch_fraction(shapes, t, rank) <= fraction for t in tokens)
+        assert any(fid.patch_fraction(shapes, t, rank + 1) > fraction for t in tokens)
+    assert fid.rank_for_budget(shapes, tokens, 1e-6) == 0
+
+
+def _stale_trace() -> Trace:
+    d = {"op": "decide", "query": QUERY}
+    ops = [{"op": "append", "chunk": c} for c in (0, 1, 2)] + [d, {"op": "evict", "chunk": 0}, d,
+                                                              {"op": "recall", "chunk": 0, "at": 0}, d]
+    return Trace("doc", 4096, dict(TEXTS), ops)
+
+
+def test_stale_cases_of_a_replay(km):
+    trace = _stale_trace()
+    assert fid.patched_chunks(trace) == [1, 2]
+    entry = fid.run_trace(km, None, trace, fid.kv_shapes(km), [0.06], ["origin"], ["origin-neighbour"], 4, floor=False)
+    name = entry["default"]
+    assert [c["decision"] for c in entry["stale"]] == [1]  # only after the eviction of chunk 0
+    case = entry["stale"][0]
+    assert case["kl"] == entry["per_decision"][name][1]["kl"]
+    assert case["kl_blind"] == entry["per_decision"]["blind"][1]["kl"]
+    assert case["kl"] != case["kl_blind"]
+    # c after (b): b was its last chunk at its origin too, so the guard serves the same patch.
+    assert case["kl_guards"]["origin-neighbour"] == pytest.approx(case["kl"], abs=1e-9)
+
+
+def test_stale_summary_counts_cases_worse_than_blind():
+    cases = [{"kl": 0.2, "kl_blind": 0.1, "kl_guards": {"g": 0.1}}, {"kl": 0.05, "kl_blind": 0.1, "kl_guards": {"g": 0.1}},
+             {"kl": 0.1, "kl_blind": 0.1, "kl_guards": {"g": 0.3}}]
+    s = fid.stale_summary(cases)
+    assert (s["stale_cases"], s["worse_than_blind"]) == (3, 1)
+    assert s["mean_ratio"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    assert fid.stale_summary(cases, "g")["worse_than_blind"] == 1
+    assert fid.stale_summary([])["stale_cases"] == 0
+
+
+@pytest.mark.slow
+def test_results_fields_and_page_on_a_tiny_model(km):
+    traces = [_stale_trace(), fid.hard_case_trace("code", questions=1)]
+    result = fid.run_fidelity(km, traces, greedy=4)
+    for key in ("greedy16_at_6pct", "noise_floor_greedy16"):
+        assert 0.0 <= result[key] <= 1.0
+    for key in ("kl_at_6pct", "noise_floor_kl"):
+        assert result[key] >= -1e-6
+    assert result["stale_cases"] == result["stale_cases_by_trace"]["doc"] == 1
+    assert 0 <= result["stale_worse_than_blind"] <= 1
+    assert result["stale_cases_by_trace"]["hard-code"] == 3  # the three states after the first
+    assert result["stale_guard"]["validation"] == ["doc", "hard-code"] and result["stale_guard"]["chosen"]
+    result.update({"command": "agentwin bench fidelity --quick", "model": "tiny", "threads": 1, "cpus": 2,
+                   "loadavg_start": [0.0] * 3, "loadavg_end": [0.0] * 3, "wall_s_total": 1.0,
+                   "settings": {"quick": True, "greedy": 4, "budgets": list(fid.BUDGETS),
+                                "fits": list(fid.DEFAULT_FITS), "guards": list(fid.STALE_GUARDS),
+                                "traces": [t.name for t in traces]}})
+    page = render_page(result)
+    assert page.splitlines()[2].startswith("Written by `agentwin bench fidelity --quick`")
+    assert f"Stale cases on the agent traces: 1; patched window further from the re-prefill than blind reuse in " \
+           f"{result['stale_worse_than_blind']} of them" in page

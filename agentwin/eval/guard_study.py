@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -105,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    from agentwin.eval.runs import load_average
     from agentwin.models.adapter import KameraModel
     from agentwin.models.zoo import load_smollm2
 
+    load_start = load_average()
     km = KameraModel.from_pretrained("smollm2")
     bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
     rows = [measure_case(km, CASES[name], bf16=bf16) for name in args.cases.split(",")]
@@ -118,7 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"above 25% of blind at <=6% bytes: {quarter or 'none'}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"command": "python -m agentwin.eval.guard_study " + " ".join(argv or sys.argv[1:]),
+                       "threads": 1, "loadavg_start": load_start, "loadavg_end": load_average(), "cases": rows},
+                      fh, indent=1)
     return 0
 
 

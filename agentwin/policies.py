@@ -6,7 +6,9 @@ One small object per policy behind one interface, chosen by `Window(patch=...)`:
 - `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every antecedent measured;
 - `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass);
 - `origin-neighbour` (`OriginNeighbour`): the origin patch only after the same last chunk as at
-  its origin, else blind reuse (a stale-patch guard, measured by `agentwin bench fidelity`).
+  its origin, else blind reuse; `origin-present` (`OriginPresent`): the origin patch only while
+  every chunk before it at its origin is before it still, else blind reuse (stale-patch guards,
+  measured by `agentwin bench fidelity`).
 With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
 reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
 is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
@@ -72,6 +74,18 @@ class OriginNeighbour(PatchPolicy):
         return super().unseen(window, chunk, antecedent_ids)
 
 
+class OriginPresent(PatchPolicy):
+    """The origin patch only where every chunk that was before the chunk at its origin is before
+    it now (in any order, with others); blind reuse when one of them has left the window."""
+
+    name = "origin-present"
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        if window.rank is not None and not set(chunk.origin) <= set(window._keys(antecedent_ids)):
+            return None
+        return super().unseen(window, chunk, antecedent_ids)
+
+
 class Fresh(PatchPolicy):
     name = "fresh"
 
@@ -126,7 +140,7 @@ class OrbitPolicy(PatchPolicy):
         return len(seen)
 
 
-POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour)}
+POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent)}
 POLICIES = tuple(POLICY_TYPES)
 
 

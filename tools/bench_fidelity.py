@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="patch byte budgets as fractions of canonical KV bytes (must include 0.06)")
     parser.add_argument("--fits", default=",".join(DEFAULT_FITS), help="fits: origin, origin+guard, orbit")
     parser.add_argument("--guards", default=",".join(STALE_GUARDS), help="stale-patch guard policies ('' for none)")
+    parser.add_argument("--questions", type=int, default=1, help="questions per state of each hard case (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per decision (default 16)")
     parser.add_argument("--load-traces", metavar="FILE", help="replay agent traces from FILE instead of recording them")
@@ -55,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from agentwin.eval.trace import load_traces, to_jsonable
     from agentwin.eval.traces import record
 
-    if args.threads < 1 or args.greedy < 1:
-        print("error: --threads and --greedy must be positive", file=sys.stderr)
+    if args.threads < 1 or args.greedy < 1 or args.questions < 1:
+        print("error: --threads, --greedy and --questions must be positive", file=sys.stderr)
         return 2
 
     def log(message: str) -> None:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         budgets = [float(b) for b in _names(args.budgets)]
         traces = (load_traces(args.load_traces) if args.load_traces
                   else record(km, _names(args.traces), quick=args.quick, log=log))
-        traces += hard_case_traces(cases, 1 if args.quick else 2)
+        traces += hard_case_traces(cases, args.questions)
         result = run_fidelity(km, traces, budgets, _names(args.fits), _names(args.guards), args.greedy, log)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads, "cpus": os.cpu_count(), "loadavg_start": list(load_start),
         "loadavg_end": list(os.getloadavg()), "wall_s_total": time.perf_counter() - t_start,
         "settings": {"quick": args.quick, "greedy": args.greedy, "budgets": budgets, "fits": _names(args.fits),
-                     "guards": _names(args.guards), "traces": [t.name for t in traces]},
+                     "guards": _names(args.guards), "traces": [t.name for t in traces],
+                     "hard_case_questions": args.questions},
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()})
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
     defaults = {"json": None, "page": None, "traces": "doc,web,video", "hard_cases": "all",
                 "budgets": ",".join(f"{b:g}" for b in BUDGETS), "fits": ",".join(DEFAULT_FITS),
-                "guards": ",".join(STALE_GUARDS), "threads": 1, "greedy": 16, "load_traces": None}
+                "guards": ",".join(STALE_GUARDS), "questions": 1, "threads": 1, "greedy": 16, "load_traces": None}
     out: list[str] = []
     for key, default in defaults.items():
         if getattr(args, key) != default:

@@ -56,7 +56,8 @@ def render_page(result: dict[str, Any]) -> str:
              f"**{_met(t['greedy_met'])}**."),
              (f"- Stale cases on the agent traces: {result['stale_cases']}; patched window further from the "
              f"re-prefill than blind reuse in {result['stale_worse_than_blind']} of them (target 0): "
-             f"**{_met(t['stale_met'])}**."), "",
+             f"**{_met(t['stale_met'])}**."),
+             *_hard_line(result), "",
              f"**Targets {'met' if t['met'] else 'missed'}.**", "",
              "| pooled over the agent traces | decisions | KL mean | top-1 | greedy-16 | same action |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -105,7 +106,8 @@ def render_page(result: dict[str, Any]) -> str:
               ("The agent traces are recorded as for `agentwin bench trace` (`agentwin.eval.traces`: the project's "
               "agents run by the agent loop with a scripted decider); the hard-case traces are built from "
               "`agentwin.eval.hard_cases` (`agentwin.eval.fidelity.hard_case_trace`): a filler chunk, then the "
-              "case's two chunks A and B, read after two of its questions; then A evicted, A recalled to the front, "
+              f"case's two chunks A and B, read after its first {s.get('hard_case_questions', 2)} question(s); then A "
+              "evicted, A recalled to the front, "
               "the filler evicted, each read after the same questions. Every strategy replays the identical "
               "operations in this one process on the same model and threads (`agentwin.eval.trace.replay`)."),
               "",
@@ -124,6 +126,21 @@ def render_page(result: dict[str, Any]) -> str:
     if unused:
         lines.append(f"\nNot in this run's grid: {', '.join(unused)}.")
     return "\n".join(lines + [""])
+
+
+def _hard_line(result: dict[str, Any]) -> list[str]:
+    hard = (result.get("hard_cases") or {}).get("stale")
+    if not hard:
+        return []
+    return [(f"- Not in the figures above: the hard-case traces (built to read chunks after antecedents they were not "
+            f"fitted on) have {hard['stale_cases']} stale cases, {hard['worse_than_blind']} of them further from the "
+            "re-prefill than blind reuse.")]
+
+
+def _lower(x: Any, y: Any) -> str:
+    if x is None or y is None:
+        return "not comparable"
+    return "lower" if x < y else "the same" if x == y else "higher"
 
 
 def _stale_section(result: dict[str, Any], head: str) -> list[str]:
@@ -154,7 +171,8 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
               "Tried: " + ", ".join(f"`{g}`" for g in ["origin (no guard)"] + result["settings"]["guards"])
               + f", each at the trace's {HEADLINE:.0%} rank. `origin-neighbour` serves the origin patch only when "
               "the chunk right before is the one that was right before it at its origin (the antecedents' last "
-              "chunks agree), blind reuse otherwise. Chosen on the validation traces ("
+              "chunks agree), `origin-present` only while every chunk before it at its origin is before it still (in "
+              "any order); blind reuse otherwise. Chosen on the validation traces ("
               + ", ".join(guard["validation"]) + ") by the fewest stale cases worse than blind, then the lower mean "
               "KL there; reported on the test traces (" + (", ".join(guard["test"]) or "none") + ").", "",
               ("| candidate | validation: cases / worse than blind / mean KL | test: cases / worse than blind / "
@@ -163,11 +181,16 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
         v, te = f["validation"], f["test"]
         lines.append(f"| {name} | {v['stale_cases']} / {v['worse_than_blind']} / {_kl(v['kl_mean'])} | "
                      f"{te['stale_cases']} / {te['worse_than_blind']} / {_kl(te['kl_mean'])} |")
-    lines += ["", (f"Chosen on validation: `{guard['chosen']}`. Over every decision of the agent traces (the guard "
-              "also changes what later chunks' in-context passes read):")]
+    lines += ["", (f"Chosen on validation: `{guard['chosen']}`. Each guard against `{DEFAULT_FIT}` as it is: on the "
+              "test traces' stale cases, and over every decision of the agent traces (a guard also changes what "
+              "later chunks' in-context passes read):")]
+    base = guard["figures"][DEFAULT_FIT]["test"]
     for g, row in guard.get("pooled", {}).items():
-        if row.get("decisions"):
-            lines.append(f"- `{g}`: KL mean {_kl(row['kl_mean'])}, greedy-16 {_pct(row['greedy16'])} "
-                         f"(`{DEFAULT_FIT}`: {_kl(result['kl_at_6pct'])}, {_rate(result['greedy16_at_6pct'])}).")
+        test = guard["figures"].get(g, {}).get("test")
+        if row.get("decisions") and test:
+            lines.append(f"- `{g}`: test stale KL mean {_kl(test['kl_mean'])} against {_kl(base['kl_mean'])} "
+                         f"({_lower(test['kl_mean'], base['kl_mean'])}); all decisions: KL mean {_kl(row['kl_mean'])} "
+                         f"against {_kl(result['kl_at_6pct'])} ({_lower(row['kl_mean'], result['kl_at_6pct'])}), "
+                         f"greedy-16 {_pct(row['greedy16'])} against {_rate(result['greedy16_at_6pct'])}.")
     lines.append(f"\nThe window's default policy in this run: `{_window_default()}`.")
     return lines

@@ -71,6 +71,16 @@ def test_origin_neighbour_serves_the_origin_patch_only_after_the_same_last_chunk
     assert not torch.allclose(reads[0], origin.next_token_logprobs(QUERY), atol=1e-5)
 
 
+def test_origin_present_serves_the_origin_patch_only_while_its_antecedent_is_present(km):
+    win, (a, _b, _c) = _window(km, "origin-present")
+    win.evict(a)  # c after (b), fitted after (a, b): a has left, blind
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 0
+    win.recall(a, at=1)  # [b, a, c]: a and b before c again, in another order: the origin patch
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 1
+
+
 def test_ranks_from_budgets_match_the_bytes_the_window_spends(km):
     shapes = fid.kv_shapes(km)
     win, (_a, b, _c) = _window(km, "origin", rank=3)

@@ -35,12 +35,13 @@ from typing import Sequence
 import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
-from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
+from agentwin.guard import QueryProbe
 from agentwin.models.adapter import ChunkInput, KameraModel
-from agentwin.models.kv import LayerKV, relocate_kv
+from agentwin.models.kv import LayerKV
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
+from agentwin.window_fit import FITS, fit_patch
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp
@@ -55,14 +56,15 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
                  rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
-                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None) -> None:
+                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "svd") -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
         is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first. guard:
         keep a patch only where it beats blind reuse (`agentwin.guard`; not for exact patches or
         MLA). Off by default: on SmolLM2's document agent it took the time outside the model's
         forwards from 8% to 24% of a step. max_kl: next-token KL (nats) a text chunk's patch must
-        reach on its last rows; `rank` is then the first rank tried (`agentwin.guard.fit_to_kl`)."""
+        reach on its last rows; `rank` is then the first rank tried (`agentwin.guard.fit_to_kl`).
+        fit: "svd" or "query" (keys in the metric of the chunk's own queries; `agentwin.window_fit`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
@@ -73,6 +75,8 @@ class Window:
             raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
         if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0):
             raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -87,6 +91,7 @@ class Window:
         self.storage = "fp32" if rank is None else storage
         self.guard = guard and rank is not None and km.layout.family != "mla"
         self.max_kl = None if rank is None or km.layout.family == "mla" or max_kl is None else float(max_kl)
+        self.fit = "svd" if km.layout.family == "mla" else fit
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
@@ -97,7 +102,7 @@ class Window:
         self._next_id = 0
         self._stats = WindowStats()
         self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
-        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard, self.max_kl)
+        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard, self.max_kl, self.fit)
         self.encoder = self._io.encoder
 
     # ---- operations ---------------------------------------------------------------------------
@@ -401,7 +406,8 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if self.guard or self.max_kl else None
+        probed = self.rank is not None and (self.guard or self.max_kl or self.fit == "query")
+        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if probed else None
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0
@@ -409,25 +415,8 @@ class Window:
 
     def _fit_patch(self, chunk: ChunkRecord, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
                    start: int, probed: tuple | None = None) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`);
-        guarded (`agentwin.guard`) with what the pass recorded (`probed`, from `_pass`)."""
-        t0 = time.perf_counter()
-        local = relocate_kv(exact, self.km.specs, self.km.layout, -start)
-        deltas = kp.deficit(local, self._hold(chunk))
-        self._policy.measured(self, chunk, antecedent, deltas)
-        if self.rank is None:
-            patch = kp.exact_patch(deltas)
-        elif self.max_kl is not None and probed is not None and chunk.inputs.kind == "text":
-            patch = fit_to_kl(self.km, self._stats, chunk.ids, self._hold(chunk), deltas, self.rank, self.storage,
-                              self.max_kl, start, *probed)
-        else:
-            patch = kp.build_patch(deltas, [(self.rank, self.rank)] * len(deltas), "svd", storage=self.storage)
-            if probed is not None and self.guard:
-                patch = guard_chunk(self.km, self._stats, chunk.inputs.kind, chunk.ids, self._hold(chunk), patch,
-                                    exact, start, *probed)
-        self._stats.patch_bytes += patch.nbytes
-        self._stats.seconds["fit_patch"] += time.perf_counter() - t0
-        return patch
+        """The patch of `chunk` after `antecedent` from its KV computed there (`agentwin.window_fit`)."""
+        return fit_patch(self, chunk, antecedent, exact, start, probed)
 
     def _conditioned_patch(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
         """The patch of `chunk` after `antecedent_ids` from one conditioned pass, kept in the store;

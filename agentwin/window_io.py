@@ -17,14 +17,14 @@ from kamera_core import patch as kp
 
 
 class WindowIO:
-    """Store access for one window (`rank`, `storage`, `guard`, `max_kl`: the window's patch
-    settings, part of the patch keys)."""
+    """Store access for one window (`rank`, `storage`, `guard`, `max_kl`, `fit`: the window's
+    patch settings, part of the patch keys)."""
 
     def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, rank: int | None, storage: str,
-                 guard: bool = False, max_kl: float | None = None) -> None:
+                 guard: bool = False, max_kl: float | None = None, fit: str = "svd") -> None:
         self.km, self.store, self._stats, self.rank, self.storage = km, store, stats, rank, storage
         target = f"+kl{max_kl:g}" if max_kl is not None else ""
-        self.method = "exact" if rank is None else f"svd{'+guard' if guard else ''}{target}-{storage}"
+        self.method = "exact" if rank is None else f"{fit}{'+guard' if guard else ''}{target}-{storage}"
         self.encoder = EncoderCache(store)
 
     def features(self, vc: VisionChunk) -> dict:

@@ -1,6 +1,7 @@
 """Does the patch guard do no harm? Blind reuse, plain SVD patches and guarded patches of the
 window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
-then the window with the case's noise floor as its fidelity target (`Window(max_kl=...)`).
+keys fitted in the metric of the chunk's own queries (`Window(fit="query")`); then the window
+with the case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
 
@@ -75,17 +76,18 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
     for budget in budgets:
         rank = rank_for(budget, tokens, k[0].numel(), v[0].numel(), layers)
         entry: dict[str, Any] = {"budget": budget, "rank": rank}
-        for name, guard in (("svd", False), ("guard", True)):
-            window, b = _served(km, case, rank=rank, guard=guard)
+        for name, settings in (("svd", {}), ("guard", {"guard": True}), ("query", {"fit": "query"})):
+            window, b = _served(km, case, rank=rank, **settings)
             kl = _kl(window, case, references)  # reads the stored patch back
             patch = next(iter(window._chunks[b].patches.values()))
             stats = window.stats()
             entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                            "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
                            "checked": stats.guard_checked}
-        g, s = entry["guard"], entry["svd"]
+        g, s, q = entry["guard"], entry["svd"], entry["query"]
         log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
-            f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})")
+            f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})  "
+            f"query-metric KL {q['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
     # the ladder starting at the smallest budget's rank.

@@ -1,4 +1,5 @@
-"""`Window(max_kl=...)`: a fidelity target instead of a rank, checked against the model's own forward."""
+"""The window's patch fits (`agentwin.window_fit`): `max_kl` (a fidelity target instead of a
+rank) and `fit="query"`, checked against the model's own forward."""
 
 from __future__ import annotations
 
@@ -61,3 +62,40 @@ def test_max_kl_is_checked_and_ignored_for_exact_patches():
     exact.append(A)
     exact.append(B)
     assert exact.stats().kl_ranks == []
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
+def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
+    """`fit="query"`: B's key patch is the fit in the second moment of B's last rows' queries,
+    taken in the chunk-local frame. Checked against the same metric built from a separate capture
+    of the model's own transformers forward over A then B (`conditioned_pass`), rows and frame
+    included; the values keep the plain fit."""
+    import torch
+
+    from agentwin.guard import QueryProbe
+    from agentwin.models.conditioned import conditioned_pass
+    from kamera_core import patch as kp
+
+    km = _km(name)
+    win = Window(km, budget_tokens=4096, rank=3, storage="fp32", fit="query")
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    a_ids, b_ids = km.tokenize(A), km.tokenize(B)
+    cp = conditioned_pass(km.model, torch.cat([a_ids, b_ids]), len(a_ids), km.specs, km.layout)
+    rows = QueryProbe.last_rows(len(b_ids)).rows
+    metrics = [(kp.query_second_moment(q[rows], km.layout.num_kv_heads), None) for q in cp.queries]
+    deltas = kp.deficit(_local(cp, km), win._chunks[b].canonical)
+    expected = kp.build_patch(deltas, [(3, 3)] * len(deltas), "query", metrics=metrics, storage="fp32")
+    plain = kp.build_patch(deltas, [(3, 3)] * len(deltas), "svd", storage="fp32")
+    got, want, svd = (kp.apply_patch(win._chunks[b].canonical, p) for p in (stored, expected, plain))
+    for (gk, gv), (wk, wv), (sk, _) in zip(got, want, svd):
+        scale = float(wk.abs().max())
+        assert float((gk - wk).abs().max()) <= 2e-3 * scale and float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+    assert max(float((w[0] - s[0]).abs().max()) for w, s in zip(want, svd)) > 1e-2 * scale  # the metric matters
+
+
+def _local(cp, km):
+    from agentwin.models.kv import relocate_kv
+
+    return relocate_kv(cp.chunk_kv(), km.specs, km.layout, -cp.chunk_start)

@@ -126,7 +126,6 @@ def test_stale_summary_counts_cases_worse_than_blind():
     assert fid.stale_summary([])["stale_cases"] == 0
 
 
-@pytest.mark.slow
 def test_results_fields_and_page_on_a_tiny_model(km):
     traces = [_stale_trace(), fid.hard_case_trace("code", questions=1)]
     result = fid.run_fidelity(km, traces, greedy=4)

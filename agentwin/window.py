@@ -14,10 +14,11 @@ first chunk of a window it is the in-context pass itself). A chunk whose canonic
 for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
-for antecedents never seen), "orbit", "fresh" (a conditioned pass per new antecedent). `rank=None`:
-exact (full-rank, float32) patches, the window then reproduces a re-prefill. `guard=True` keeps a
-rank-limited patch only where it beats blind reuse on the chunk's last rows; `max_kl=x` fits each
-text chunk's patch for a KL target on those rows instead of a fixed rank (`agentwin.guard`).
+for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "orbit", "fresh" (a
+conditioned pass per new antecedent). `rank=None`: exact (full-rank, float32) patches, the window
+then reproduces a re-prefill. `guard=True` keeps a rank-limited patch only where it beats blind
+reuse on the chunk's last rows; `max_kl=x` fits each text chunk's patch for a KL target on those
+rows instead of a fixed rank (`agentwin.guard`); `fit="query"` (`agentwin.window_fit`).
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,

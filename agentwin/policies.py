@@ -86,6 +86,20 @@ class OriginPresent(PatchPolicy):
         return super().unseen(window, chunk, antecedent_ids)
 
 
+class OriginEither(PatchPolicy):
+    """The origin patch where either test above passes: the same chunk right before it as at its
+    origin, or every chunk of its origin antecedent still before it; blind reuse when its
+    neighbour changed and part of its origin antecedent has left the window."""
+
+    name = "origin-either"
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        keys = window._keys(antecedent_ids)
+        if window.rank is not None and chunk.origin and keys[-1:] != chunk.origin[-1:] and not set(chunk.origin) <= set(keys):
+            return None
+        return super().unseen(window, chunk, antecedent_ids)
+
+
 class Fresh(PatchPolicy):
     name = "fresh"
 
@@ -140,7 +154,8 @@ class OrbitPolicy(PatchPolicy):
         return len(seen)
 
 
-POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent)}
+POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
+                                     OriginEither)}
 POLICIES = tuple(POLICY_TYPES)
 
 

@@ -172,7 +172,8 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
               + f", each at the trace's {HEADLINE:.0%} rank. `origin-neighbour` serves the origin patch only when "
               "the chunk right before is the one that was right before it at its origin (the antecedents' last "
               "chunks agree), `origin-present` only while every chunk before it at its origin is before it still (in "
-              "any order); blind reuse otherwise. Chosen on the validation traces ("
+              "any order), `origin-either` where either of the two holds; blind reuse otherwise. Chosen on the "
+              "validation traces ("
               + ", ".join(guard["validation"]) + ") by the fewest stale cases worse than blind, then the lower mean "
               "KL there; reported on the test traces (" + (", ".join(guard["test"]) or "none") + ").", "",
               ("| candidate | validation: cases / worse than blind / mean KL | test: cases / worse than blind / "

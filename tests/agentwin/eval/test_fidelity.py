@@ -81,6 +81,22 @@ def test_origin_present_serves_the_origin_patch_only_while_its_antecedent_is_pre
     assert win.stats().stale_patches == 1
 
 
+def test_origin_either_drops_the_patch_only_when_both_tests_fail(km):
+    win, (a, b, _c) = _window(km, "origin-either")
+    win.evict(a)  # [b, c]: c after (b), fitted after (a, b): same last chunk, a gone: the patch
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 1
+    win.recall(a, at=2)  # [b, c, a]: nothing changed before c
+    win.evict(b)  # [c, a]: c first, no patch at the front
+    win.recall(b, at=0)  # [b, c, a]: c after (b) again, already counted placements aside
+    win.reorder([win.chunks()[i] for i in (0, 2, 1)])  # [b, a, c]: last chunk a, both present: the patch
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 2
+    win.evict(b)  # [a, c]: last chunk a (not b), b gone: blind
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 2
+
+
 def test_ranks_from_budgets_match_the_bytes_the_window_spends(km):
     shapes = fid.kv_shapes(km)
     win, (_a, b, _c) = _window(km, "origin", rank=3)

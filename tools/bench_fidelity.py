@@ -12,15 +12,15 @@ from the same figures. `--quick` records short traces (a check of the command, n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from tools.bench_trace import add_replay_arguments, write_outputs
 
 DEFAULT_PAGE = "docs/results/FIDELITY.md"
 
@@ -28,20 +28,13 @@ DEFAULT_PAGE = "docs/results/FIDELITY.md"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from agentwin.eval.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
 
-    parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
-    parser.add_argument("--page", metavar="FILE", help=f"write the results page to FILE (default {DEFAULT_PAGE}; "
-                                                        "none with --quick unless given)")
-    parser.add_argument("--quick", action="store_true", help="short traces: a check of the command, not a measurement")
-    parser.add_argument("--traces", default="doc,web,video", help="comma-separated agent traces (default doc,web,video)")
+    add_replay_arguments(parser, DEFAULT_PAGE)
     parser.add_argument("--hard-cases", default="all", help="comma-separated hard cases, 'all' or 'none' (default all)")
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
                         help="patch byte budgets as fractions of canonical KV bytes (must include 0.06)")
     parser.add_argument("--fits", default=",".join(DEFAULT_FITS), help="fits: origin, origin+guard, orbit")
     parser.add_argument("--guards", default=",".join(STALE_GUARDS), help="stale-patch guard policies ('' for none)")
     parser.add_argument("--questions", type=int, default=1, help="questions per state of each hard case (default 1)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per decision (default 16)")
-    parser.add_argument("--load-traces", metavar="FILE", help="replay agent traces from FILE instead of recording them")
 
 
 def _names(text: str) -> list[str]:
@@ -87,13 +80,7 @@ def run(args: argparse.Namespace) -> int:
                      "guards": _names(args.guards), "traces": [t.name for t in traces],
                      "hard_case_questions": args.questions},
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()})
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    page = args.page if args.page else (None if args.quick else DEFAULT_PAGE)
-    if page:
-        Path(page).parent.mkdir(parents=True, exist_ok=True)
-        Path(page).write_text(render_page(result))
+    write_outputs(args, result, DEFAULT_PAGE, render_page)
     for key in ("greedy16_at_6pct", "kl_at_6pct", "noise_floor_greedy16", "noise_floor_kl", "stale_cases",
                 "stale_worse_than_blind"):
         print(f"{key}: {result[key]}")

@@ -33,24 +33,40 @@ import torch
 DEFAULT_PAGE = "docs/results/TRACE.md"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_replay_arguments(parser: argparse.ArgumentParser, page: str) -> None:
+    """The options every trace-replaying benchmark shares (this one and `bench fidelity`)."""
     parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
-    parser.add_argument("--page", metavar="FILE", help=f"write the results page to FILE (default {DEFAULT_PAGE}; "
+    parser.add_argument("--page", metavar="FILE", help=f"write the results page to FILE (default {page}; "
                                                         "none with --quick unless given)")
     parser.add_argument("--quick", action="store_true", help="short traces: a check of the command, not a measurement")
-    parser.add_argument("--traces", default="doc,web,video", help="comma-separated traces (default doc,web,video)")
+    parser.add_argument("--traces", default="doc,web,video", help="comma-separated agent traces (default doc,web,video)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for every strategy (default 1: steadiest on a shared machine)")
+    parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per decision (default 16)")
+    parser.add_argument("--load-traces", metavar="FILE", help="replay traces from FILE instead of recording them")
+
+
+def write_outputs(args: argparse.Namespace, result: dict, default_page: str, render) -> None:
+    """`--json FILE`, and the page: `--page`, else `default_page` unless `--quick`."""
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    page = args.page if args.page else (None if args.quick else default_page)
+    if page:
+        Path(page).parent.mkdir(parents=True, exist_ok=True)
+        Path(page).write_text(render(result))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_replay_arguments(parser, DEFAULT_PAGE)
     parser.add_argument("--strategies", default=None,
                         help="comma-separated strategies (default all: reprefill,prefix,streaming,agentwin-r16,"
                              "agentwin-orbit,agentwin-exact)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads for every strategy (default 1: steadiest on a shared machine)")
     parser.add_argument("--repeats", type=int, default=1, help="replays per strategy for wall time (default 1)")
-    parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per decision (default 16)")
     parser.add_argument("--prefix-capacity", type=int, default=16384,
                         help="tokens the prefix cache keeps (default 16384)")
     parser.add_argument("--sinks", type=int, default=4, help="attention-sink tokens of the streaming strategy (default 4)")
     parser.add_argument("--save-traces", metavar="FILE", help="write the recorded traces to FILE (JSON)")
-    parser.add_argument("--load-traces", metavar="FILE", help="replay traces from FILE instead of recording them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,13 +113,7 @@ def run(args: argparse.Namespace) -> int:
                            "decider": "scripted navigation (agentwin.eval.traces.PlanDecider)"},
               "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
     result = to_jsonable(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    page = args.page if args.page else (None if args.quick else DEFAULT_PAGE)
-    if page:
-        Path(page).parent.mkdir(parents=True, exist_ok=True)
-        Path(page).write_text(render_page(result))
+    write_outputs(args, result, DEFAULT_PAGE, render_page)
     for name, entry in result["traces"].items():
         print(f"{name} (revisits: {entry['revisits']}):")
         for strategy, row in entry["strategies"].items():

@@ -3,22 +3,14 @@ rank) and `fit="query"`, checked against the model's own forward."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
 from kamera_core.metrics import kl_divergence
+from tests.agentwin.test_guard import A, B, _km  # the same two chunks and model cache as the guard's tests
 
-A = "the harbour master keeps the tide log in a tin box under the stairs of the old tower"
-B = "at dawn she climbed the stairs, opened it and wrote the storm surge, eleven feet, in red ink"
 QUERY = " who wrote the surge?"
-
-
-@functools.lru_cache(maxsize=None)
-def _km(name: str) -> KameraModel:
-    return KameraModel.from_pretrained(name)
 
 
 def _served_with_patch(km: KameraModel, **window_args):

@@ -1,5 +1,6 @@
 """What the agent commands load and print: a model with its progress kept quiet off a terminal,
-a model's kind told before it loads, and the table of an agent run's steps."""
+a model's kind told before it loads, the table of an agent run's steps, and the run itself
+(`run_agent`: check the input, load the model, run the loop with the model deciding, report)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 class _Quiet(io.StringIO):
@@ -92,3 +93,80 @@ def steps_table(records: list) -> str:
         lines.append(f"  {r.step:>4}  {action:<34} {(r.observation or '')[:26]:<26} {r.event or '':<8} "
                      f"{r.window_tokens:>6}  {'; '.join(notes)}")
     return "\n".join(lines)
+
+
+VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging Face id of a Qwen2-VL, "
+            "Qwen2.5-VL or Qwen3-VL checkpoint (e.g. Qwen/Qwen2.5-VL-3B-Instruct)")
+
+def make_window(km: Any, args: Any) -> Any:
+    from agentwin import Window
+    from agentwin.store import ChunkStore
+
+    store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
+    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=2, default=repr)
+
+
+def refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False,
+              check: Callable[[], None] | None = None) -> int:
+    """Check the input (`check`, raising EnvError) and the model name, load the model, open the
+    environment, run the loop with the model deciding, report."""
+    from agents.base import EnvError
+    from agents.loop import AgentLoop
+    from agents.model import WindowDecider
+
+    if args.model is None:
+        return refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
+    vlm, random_weights = model_kind(args.model)
+    if random_weights and not args.allow_random_weights:
+        return refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "
+                       f"observations or answer, only exercise the code. "
+                       + (VLM_HINT[0].upper() + VLM_HINT[1:] if needs_vlm else
+                          "Use --model smollm2 (the embedded text model) or a local path / Hugging Face id")
+                       + "; --allow-random-weights runs it anyway (for tests)")
+    if needs_vlm and vlm is False:
+        return refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
+    try:
+        if check is not None:
+            check()
+    except EnvError as err:
+        return refuse(str(err))
+    progress = not args.quiet
+    try:
+        km = load_model(args.model, progress)
+    except (ValueError, OSError, FileNotFoundError) as err:
+        return refuse(f"cannot load model {args.model!r}: {err}")
+    if needs_vlm and not getattr(km, "is_vlm", False):
+        return refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
+    try:
+        window = make_window(km, args)
+        env = make_env(km)
+    except EnvError as err:
+        return refuse(str(err))
+    try:
+        loop = AgentLoop(env, window, WindowDecider(args.max_new_tokens), task, max_steps=args.max_steps,
+                         log_path=args.log, progress=progress, keep_relevant=args.keep_relevant)
+        result = loop.run()
+    finally:
+        env.close()
+    print("\nsteps:")
+    print(steps_table(result.records))
+    print("\nsummary:")
+    print(result.summary.table())
+    if args.json:
+        write_json(args.json, result.to_json())
+        print(f"written to {args.json}")
+    stopped = result.summary.stopped
+    if stopped.startswith("error"):
+        print(stopped, file=sys.stderr)
+        return 2
+    return 0 if stopped == "answer" else 1

@@ -16,13 +16,12 @@ steps; `--json FILE` writes them, `--log FILE` appends each step as a JSON line 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import textwrap
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
-from agents.console import load_model, model_kind, steps_table  # noqa: F401 (load_model re-exported)
+from agents.console import (VLM_HINT, load_model, make_window, model_kind, refuse, run_agent,  # noqa: F401
+                            steps_table, write_json)
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
               "a file that is not a PDF or a video, an unreachable start page, a model that cannot be "
@@ -32,9 +31,6 @@ MODELS = ("models: smollm2 (default for doc and web) is the embedded SmolLM2-135
           "path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (e.g. "
           "Qwen/Qwen2.5-VL-3B-Instruct). The built-in tiny-* models have random weights: they "
           "cannot read or answer and exist for tests (--allow-random-weights runs them anyway).")
-VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging Face id of a Qwen2-VL, "
-            "Qwen2.5-VL or Qwen3-VL checkpoint (e.g. Qwen/Qwen2.5-VL-3B-Instruct)")
-
 
 def rank_arg(text: str) -> int | None:
     """`--rank`: a positive int, or `exact` (full-rank float32 patches: the window equals a re-prefill)."""
@@ -89,80 +85,6 @@ def _agent_arguments(parser: argparse.ArgumentParser, model: str | None, budget:
     parser.epilog = textwrap.fill(MODELS, 88) + "\n\n" + textwrap.fill(EXIT_CODES, 88)
 
 
-def make_window(km: Any, args: argparse.Namespace) -> Any:
-    from agentwin import Window
-    from agentwin.store import ChunkStore
-
-    store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
-    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store)
-
-
-def write_json(path: str, payload: dict) -> None:
-    with open(path, "w") as fh:
-        json.dump(payload, fh, indent=2, default=repr)
-
-
-def _refuse(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
-def run_agent(args: argparse.Namespace, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False,
-              check: Callable[[], None] | None = None) -> int:
-    """Check the input (`check`, raising EnvError) and the model name, load the model, open the
-    environment, run the loop with the model deciding, report."""
-    from agents.base import EnvError
-    from agents.loop import AgentLoop
-    from agents.model import WindowDecider
-
-    if args.model is None:
-        return _refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
-    vlm, random_weights = model_kind(args.model)
-    if random_weights and not args.allow_random_weights:
-        return _refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "
-                       f"observations or answer, only exercise the code. "
-                       + (VLM_HINT[0].upper() + VLM_HINT[1:] if needs_vlm else
-                          "Use --model smollm2 (the embedded text model) or a local path / Hugging Face id")
-                       + "; --allow-random-weights runs it anyway (for tests)")
-    if needs_vlm and vlm is False:
-        return _refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
-    try:
-        if check is not None:
-            check()
-    except EnvError as err:
-        return _refuse(str(err))
-    progress = not args.quiet
-    try:
-        km = load_model(args.model, progress)
-    except (ValueError, OSError, FileNotFoundError) as err:
-        return _refuse(f"cannot load model {args.model!r}: {err}")
-    if needs_vlm and not getattr(km, "is_vlm", False):
-        return _refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
-    try:
-        window = make_window(km, args)
-        env = make_env(km)
-    except EnvError as err:
-        return _refuse(str(err))
-    try:
-        loop = AgentLoop(env, window, WindowDecider(args.max_new_tokens), task, max_steps=args.max_steps,
-                         log_path=args.log, progress=progress, keep_relevant=args.keep_relevant)
-        result = loop.run()
-    finally:
-        env.close()
-    print("\nsteps:")
-    print(steps_table(result.records))
-    print("\nsummary:")
-    print(result.summary.table())
-    if args.json:
-        write_json(args.json, result.to_json())
-        print(f"written to {args.json}")
-    stopped = result.summary.stopped
-    if stopped.startswith("error"):
-        print(stopped, file=sys.stderr)
-        return 2
-    return 0 if stopped == "answer" else 1
-
-
 # ---- the three commands ------------------------------------------------------------------------
 
 def _doc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,7 +136,7 @@ def _video_run(args: argparse.Namespace) -> int:
     from agents.video import VideoEnv
 
     if not args.segment_seconds > 0 or not args.fps > 0:
-        return _refuse("--segment-seconds and --fps must be positive")
+        return refuse("--segment-seconds and --fps must be positive")
 
     def make(km: Any) -> Any:
         return VideoEnv(args.file, segment_seconds=args.segment_seconds, fps=args.fps)

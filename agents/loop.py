@@ -208,6 +208,7 @@ class AgentLoop:
             missing = [c for c in ids if c not in before]
             if missing:
                 self._bring_back(missing, record)
+                record.event = "recall"
             else:
                 record.event = "in-view"
         else:
@@ -233,30 +234,31 @@ class AgentLoop:
         if hasattr(self.decider, "observe"):
             self.decider.observe(obs)
 
-    def _bring_back(self, chunk_ids: list[int], record: StepRecord) -> None:
-        """Recall `chunk_ids` at the window's end. Room for all of them is made first by evicting
-        the other chunks oldest first (so one part of an observation never pushes out another);
-        a window that still refuses has its oldest other chunks evicted here."""
-        observation = set(self._by_key_of(chunk_ids[0]))
+    def _bring_back(self, chunk_ids: list[int], record: StepRecord, before: list[int] | None = None) -> None:
+        """Recall `chunk_ids` at the window's end, or just before the chunks `before`. Room for all
+        of them is made first by evicting the other chunks oldest first (never `before`, and never
+        another part of the same observation); a window that still refuses has its oldest other
+        chunks evicted here."""
+        keep = set(self._by_key_of(chunk_ids[0])) | set(before or ())
         needed = sum(self._tokens.get(c, 0) for c in chunk_ids)
         while self.window.tokens() + needed > int(self.window.budget_tokens):
-            others = [c for c in self.window.chunks() if c not in observation]
+            others = [c for c in self.window.chunks() if c not in keep]
             if not others:
                 break
             self.window.evict(others[0])
         for cid in chunk_ids:
             while True:
                 try:
-                    self.window.recall(cid, at=len(self.window.chunks()))
+                    at = self.window.chunks().index(before[0]) if before else len(self.window.chunks())
+                    self.window.recall(cid, at=at)
                     break
                 except ValueError:
-                    victims = [c for c in self.window.chunks() if c not in chunk_ids]
+                    victims = [c for c in self.window.chunks() if c not in chunk_ids and c not in (before or ())]
                     if not victims:
                         raise
                     self.window.evict(victims[0])
             self._present.add(cid)
         record.recalled_tokens += sum(self._tokens.get(c, 0) for c in chunk_ids)
-        record.event = "recall"
         record.recalled = self._labels(chunk_ids)
         if self.fidelity_query:
             record.kl = kl_to_reference(self.window, self.fidelity_query)
@@ -269,24 +271,11 @@ class AgentLoop:
         if not step_of:
             return
         best, score = self.window.nearest(self.task, k=1, among=list(step_of))[0]
-        ids = self._step_chunks[step_of[best]]
-        missing = [c for c in ids if c not in self.window.chunks()]
-        needed = sum(self.window.chunk_tokens(c) for c in missing)
-        if not missing or needed + sum(self.window.chunk_tokens(c) for c in current) > int(self.window.budget_tokens):
-            return
-        while self.window.tokens() + needed > int(self.window.budget_tokens):
-            others = [c for c in self.window.chunks() if c not in current and c not in ids]
-            if not others:
-                return
-            self.window.evict(others[0])
-        for cid in missing:
-            self.window.recall(cid, at=self.window.chunks().index(current[0]))
-            self._present.add(cid)
-        record.recalled_tokens += needed
-        record.recalled = self._labels(missing)
-        record.kept = f"step {step_of[best]} ({self._step_label[step_of[best]]}), similarity {score:.2f}"
-        if self.fidelity_query:
-            record.kl = kl_to_reference(self.window, self.fidelity_query)
+        missing = [c for c in self._step_chunks[step_of[best]] if c not in self.window.chunks()]
+        needed = sum(self.window.chunk_tokens(c) for c in missing + current)
+        if missing and needed <= int(self.window.budget_tokens):
+            self._bring_back(missing, record, before=current)
+            record.kept = f"step {step_of[best]} ({self._step_label[step_of[best]]}), similarity {score:.2f}"
 
     def _by_key_of(self, chunk_id: int) -> list[int]:
         """The chunks of the observation that `chunk_id` belongs to."""
@@ -332,6 +321,7 @@ class AgentLoop:
             record.event = "in-view"
             return f"Step {step} ({label}){how} is already in view."
         self._bring_back(missing, record)
+        record.event = "recall"
         return f"Step {step} ({label}){how} is back in view."
 
     def _first_steps(self) -> list[int]:

@@ -7,8 +7,9 @@ One small object per policy behind one interface, chosen by `Window(patch=...)`:
 - `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass);
 - `origin-neighbour` (`OriginNeighbour`): the origin patch only after the same last chunk as at
   its origin, else blind reuse; `origin-present` (`OriginPresent`): the origin patch only while
-  every chunk before it at its origin is before it still, else blind reuse (stale-patch guards,
-  measured by `agentwin bench fidelity`).
+  every chunk before it at its origin is before it still, else blind reuse; `origin-either`
+  (`OriginEither`): the origin patch where either holds (stale-patch guards, measured by
+  `agentwin bench fidelity`).
 With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
 reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
 is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13

@@ -343,8 +343,9 @@ class Window:
         if not candidates:
             return []
         ids = self._query_ids(query)
-        if self._asked[0] != tuple(ids.tolist()):  # a query asked again (an agent's task) is encoded once
-            self._asked = (tuple(ids.tolist()), self.km.key_summary(ids))
+        asked = tuple(ids.tolist())
+        if self._asked[0] != asked:  # a query asked again (an agent's task) is encoded once
+            self._asked = (asked, self.km.key_summary(ids))
             self._stats.count("retrieval", int(ids.numel()))
         q = self._asked[1]
         scores = layer_cosine(q, torch.stack([self._chunks[c].summary for c in candidates])).tolist()

@@ -100,3 +100,35 @@ def allocate_ranks(
         ranks[i] += 1
         push(i)
     return dict(zip(keys, ranks))
+
+
+def budget_ranks(
+    num_tokens: int,
+    features: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    budget_bytes: int,
+    storage: str,
+    gains: list[tuple[tuple[Tensor, float], tuple[Tensor, float]]] | None = None,
+) -> list[tuple[int, int]]:
+    """Per layer `(K rank, V rank)` of a `num_tokens`-token chunk's patch within `budget_bytes`.
+
+    features: per layer the feature sizes of K and V (what one token's row holds).
+    gains None: the largest rank that every layer's K and V can take alike (uniform).
+    gains: per layer `((σ²_K, energy_K), (σ²_V, energy_V))` (`kamera_core.patch.gains`): ranks
+        spread over layers and K/V by `allocate_ranks`, each block's gains normalised by its
+        energy (a relative error bought per byte).
+    """
+    costs = [(bytes_per_rank(num_tokens, fk, storage), bytes_per_rank(num_tokens, fv, storage)) for fk, fv in features]
+    budget = check_rank(budget_bytes, "budget_bytes")
+    if gains is None:
+        rank = budget // max(1, sum(ck + cv for ck, cv in costs))
+        return [(rank, rank)] * len(costs)
+    if len(gains) != len(costs):
+        raise ValueError(f"gains has {len(gains)} layers for {len(costs)} layers of features")
+    candidates = {}
+    for layer, (((gk, ek), (gv, ev)), (ck, cv)) in enumerate(zip(gains, costs)):
+        candidates[(layer, 0)] = (gk, max(ek, 1e-30), ck)
+        candidates[(layer, 1)] = (gv, max(ev, 1e-30), cv)
+    if budget == 0:
+        return [(0, 0)] * len(costs)
+    alloc = allocate_ranks(candidates, budget)
+    return [(alloc[(layer, 0)], alloc[(layer, 1)]) for layer in range(len(costs))]

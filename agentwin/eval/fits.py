@@ -116,18 +116,9 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     """The patch of `fits` within `budget_bytes`: the largest uniform rank for K and V in every
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit)."""
-    costs = [(kb.bytes_per_rank(fits.tokens, fk, storage), kb.bytes_per_rank(fits.tokens, fv, storage))
-             for fk, fv in fits.features]
-    if fits.method in ("kamera-alloc", "kamera-orbit"):
-        candidates = {}
-        for l, ((gk, gv), (ek, ev), (ck, cv)) in enumerate(zip(fits.gains, fits.energy, costs)):
-            candidates[(l, 0)] = (gk, max(ek, 1e-30), ck)
-            candidates[(l, 1)] = (gv, max(ev, 1e-30), cv)
-        alloc = kb.allocate_ranks(candidates, budget_bytes)
-        ranks = [(alloc[(l, 0)], alloc[(l, 1)]) for l in range(len(fits.full))]
-    else:
-        rank = int(budget_bytes // sum(ck + cv for ck, cv in costs))
-        ranks = [(rank, rank)] * len(fits.full)
+    alloc = fits.method in ("kamera-alloc", "kamera-orbit")
+    gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
+    ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
 
     def one(f: kp.Factors, r: int) -> kp.Factors | None:
         return kp.quantize(f.truncate(min(r, f.rank)), storage) if r else None

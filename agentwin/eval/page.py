@@ -233,6 +233,12 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
                              f"{t['bytes_frac']:.1%} bytes)"
                              + (f"; token-sparse at the same cap ({_label(s6)}): {_gap(s6['test'])}, accuracy "
                                 f"{s6['test']['acc']:.3f}, {s6['test']['bytes_frac']:.1%} bytes." if s6 and s6["test"] else "."))
+                if "lost_to_blind" in t:
+                    lines.append(f"  - Item by item against blind reuse ({cond}: the patch was fitted after another "
+                                 f"antecedent A ≠ A′{', which lists other entities' if cond == 'other-list' else ''}): "
+                                 f"{_label(k6)} answers wrong where blind reuse answers right on {t['lost_to_blind']} "
+                                 f"of {t['n']} test items, and reads further from the re-prefill (next-token KL) on "
+                                 f"{t['worse_kl_than_blind']}.")
             anchors = [_pick(sel, {"condition": cond}, f, 0.25) for f in ("cacheblend", "epic", "vlcache")]
             anchors = [a for a in anchors if a and a["test"]]
             if anchors:

@@ -35,11 +35,17 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     Costs: bytes_frac (patch bytes / the reused chunks' fp16 KV), compute_frac (token-layers at
     reuse / a re-prefill of the reused chunks), build_compute_frac (one-time token-layers, same
     unit), ms and build_ms (measured), ms_at_N and compute_at_N (time and compute per reuse with
-    the one-time work spread over N reuses)."""
+    the one-time work spread over N reuses). Rows naming their item ("set", "item": the binding
+    task) are also compared with blind reuse on the same item: `worse_kl_than_blind`, the items
+    whose next-token KL is above blind reuse's, and `lost_to_blind`, those blind reuse answers
+    right and this method wrong."""
     keys = list(dict.fromkeys(tuple(r[g] for g in group) + _key(r) for r in rows))
     by: dict[tuple, list[dict]] = {}
+    blind: dict[tuple, dict] = {}
     for r in rows:
         by.setdefault(tuple(r[g] for g in group) + _key(r), []).append(r)
+        if r["method"] == "blind" and "item" in r:
+            blind[tuple(r[g] for g in group) + (r.get("set", 0), r["item"])] = r
     out = []
     for key in keys:
         sel = by[key]
@@ -58,6 +64,11 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
             s["acc"] = statistics.fmean(r["correct"] for r in sel)
             sets = sorted({r.get("set", 0) for r in sel})
             s["acc_per_set"] = [statistics.fmean(r["correct"] for r in sel if r.get("set", 0) == t) for t in sets]
+        pairs = [(r, blind.get(tuple(r[g] for g in group) + (r.get("set", 0), r.get("item")))) for r in sel]
+        pairs = [(r, b) for r, b in pairs if b is not None]
+        if pairs:
+            s["worse_kl_than_blind"] = sum(r["kl"] > b["kl"] for r, b in pairs)
+            s["lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in pairs)
         if "greedy_same" in sel[0]:
             weights = [len(r["kls"]) for r in sel]
             s["greedy_same"] = sum(r["greedy_same"] * w for r, w in zip(sel, weights)) / sum(weights)

@@ -65,6 +65,22 @@ def test_gap_recovered_per_group():
     assert math.isnan(selection.gap(0.5, 0.5, 0.5))
 
 
+def test_items_are_compared_with_blind_reuse_on_the_same_item():
+    def row(method, item, kl, correct):
+        return {"split": "test", "condition": "other-list", "set": 0, "item": item, "method": method, "setting": "",
+                "kl": kl, "top1": correct, "correct": correct, "bytes_frac": 0.0, "compute_frac": 0.0,
+                "build_compute_frac": 0.0, "seconds": 0.0, "build_seconds": 0.0}
+
+    rows = [row("blind", 0, 1.0, 1.0), row("blind", 1, 2.0, 0.0), row("blind", 2, 0.5, 1.0),
+            row("full", 0, 0.0, 1.0), row("full", 1, 0.0, 1.0), row("full", 2, 0.0, 1.0),
+            # item 0: lower KL, still right; item 1: higher KL but now right; item 2: lost
+            row("kamera-query-int8", 0, 0.5, 1.0), row("kamera-query-int8", 1, 3.0, 1.0),
+            row("kamera-query-int8", 2, 0.7, 0.0)]
+    s = {r["method"]: r for r in selection.summarise(rows, ("split", "condition"))}
+    assert s["kamera-query-int8"]["worse_kl_than_blind"] == 2 and s["kamera-query-int8"]["lost_to_blind"] == 1
+    assert s["full"]["worse_kl_than_blind"] == 0 and s["blind"]["lost_to_blind"] == 0
+
+
 def test_validation_and_test_items_are_disjoint_and_reuse_another_antecedent():
     for cond in bd.REUSE_CONDITIONS:
         val, test = bd.reuse_items(200, "validation", cond), bd.reuse_items(200, "test", cond)

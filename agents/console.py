@@ -104,7 +104,10 @@ def make_window(km: Any, args: Any) -> Any:
     from agentwin.store import ChunkStore
 
     store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
-    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store)
+    if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
+        raise SystemExit(f"error: --patch-bytes sets the ranks itself; use it with --rank budget, not --rank {args.rank}")
+    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
+                  patch_bytes=getattr(args, "patch_bytes", None))
 
 
 def write_json(path: str, payload: dict) -> None:

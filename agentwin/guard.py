@@ -57,17 +57,21 @@ class QueryProbe:
     rows: torch.Tensor
     queries: dict[int, tuple[torch.Tensor, float, int | None, float | None]] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # `[n, vocab]` float32 next-token logits of the rows (set by the pass)
+    keep_all: bool = False  # also keep every row's queries in `full` (the query-metric fit)
+    full: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer `[Tq, Hq, D]`
 
     @classmethod
-    def last_rows(cls, tokens: int, count: int = PROBE_ROWS) -> "QueryProbe":
+    def last_rows(cls, tokens: int, count: int = PROBE_ROWS, keep_all: bool = False) -> "QueryProbe":
         """The last min(count, tokens // 2) rows (at least one): rows before them stay for
         `tail_kl` to serve from canonical KV."""
         n = max(1, min(count, tokens // 2))
-        return cls(torch.arange(tokens - n, tokens))
+        return cls(torch.arange(tokens - n, tokens), keep_all=keep_all)
 
     def record(self, layer: int, query: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> None:
         """query: the layer's `[1, Hq, Tq, D]` as the attention receives it."""
         self.queries[layer] = (query[0, :, self.rows].transpose(0, 1).detach().clone(), scale, window, softcap)
+        if self.keep_all:
+            self.full[layer] = query[0].transpose(0, 1).detach().clone()
 
 
 @dataclass(frozen=True)

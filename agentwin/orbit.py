@@ -8,7 +8,7 @@ their mean, refitted only when a new antecedent joins.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -42,11 +42,13 @@ class Orbit:
                 sv += dv.float()
         self.patch = None
 
-    def fit(self, rank: int, storage: str) -> tuple[kp.ChunkPatch, bool]:
-        """The rank-`rank` fit of the mean deficit, and whether it was fitted now (not cached)."""
+    def fit(self, ranks: Any, storage: str) -> tuple[kp.ChunkPatch, bool]:
+        """The fit of the mean deficit at `ranks` (an int for every layer, or a function of the
+        mean deficit giving per layer (K rank, V rank)), and whether it was fitted now (not cached)."""
         if self.patch is not None:
             return self.patch, False
         n = len(self.seen)
         mean = [(k / n, v / n) for k, v in self.sums]
-        self.patch = kp.build_patch(mean, [(rank, rank)] * len(mean), "svd", storage=storage)
+        layer_ranks = [(ranks, ranks)] * len(mean) if isinstance(ranks, int) else ranks(mean)
+        self.patch = kp.build_patch(mean, layer_ranks, "svd", storage=storage)
         return self.patch, True

@@ -27,6 +27,7 @@ import torch
 
 from agentwin.models.kv import relocate_kv
 from agentwin.orbit import Orbit
+from agentwin.window_fit import layer_ranks
 from kamera_core import patch as kp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,7 +120,8 @@ class OrbitPolicy(PatchPolicy):
     def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
         if window.rank is None or chunk.orbit is None:
             return super().unseen(window, chunk, antecedent_ids)
-        patch, fitted = chunk.orbit.fit(window.rank, window.storage)
+        held = window._hold(chunk)
+        patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held, uniform=True), window.storage)
         if fitted:
             window._stats.patch_bytes += patch.nbytes
         if window._keys(antecedent_ids) not in chunk.orbit.seen:

@@ -15,10 +15,12 @@ for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
 for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "orbit", "fresh" (a
-conditioned pass per new antecedent). `rank=None`: exact (full-rank, float32) patches, the window
-then reproduces a re-prefill. `guard=True` keeps a rank-limited patch only where it beats blind
-reuse on the chunk's last rows; `max_kl=x` fits each text chunk's patch for a KL target on those
-rows instead of a fixed rank (`agentwin.guard`); `fit="query"` (`agentwin.window_fit`).
+conditioned pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
+canonical KV by default (`patch_bytes`; `agentwin.window_fit` has the fits and why they are the
+defaults); `rank=None`: exact (full-rank, float32) patches, the window then reproduces a
+re-prefill. `guard=True` keeps a low-rank patch only where it beats blind reuse on the chunk's
+last rows; `max_kl=x` fits each text chunk's patch for a KL target on those rows instead
+(`agentwin.guard`).
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
@@ -42,7 +44,7 @@ from agentwin.models.kv import LayerKV
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
-from agentwin.window_fit import FITS, fit_patch
+from agentwin.window_fit import BUDGET, fit_patch, patch_settings
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp
@@ -56,28 +58,25 @@ class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
-                 rank: int | None = 16, store: ChunkStore | None = None, storage: str = "fp16",
-                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "svd") -> None:
+                 rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
+                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "query",
+                 patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
-        is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first. guard:
-        keep a patch only where it beats blind reuse (`agentwin.guard`; not for exact patches or
-        MLA). Off by default: on SmolLM2's document agent it took the time outside the model's
-        forwards from 8% to 24% of a step. max_kl: next-token KL (nats) a text chunk's patch must
-        reach on its last rows; `rank` is then the first rank tried (`agentwin.guard.fit_to_kl`).
-        fit: "svd" or "query" (keys in the metric of the chunk's own queries; `agentwin.window_fit`)."""
+        is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
+        Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
+        default 0.06, of its canonical KV bytes), an int (that rank in every layer) or None (exact);
+        fit "query" (keys in the metric of the chunk's own queries), "svd" or "alloc" (ranks spread
+        over layers); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it
+        beats blind reuse (`agentwin.guard`; not for exact patches or MLA). Off by default: on
+        SmolLM2's document agent it took the time outside the model's forwards from 8% to 24% of
+        a step. max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows
+        (`agentwin.guard.fit_to_kl`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
             raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
-        if rank is not None and (not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"rank must be a positive int or None (exact), got {rank!r}")
-        if not isinstance(guard, bool):
-            raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
-        if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0):
-            raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
-        if fit not in FITS:
-            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+        settings = patch_settings(km.layout.family, rank, patch_bytes, storage, guard, max_kl, fit)
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -87,12 +86,10 @@ class Window:
         if store is not None and store.model_fingerprint not in ("", km.fingerprint):
             raise ValueError("the store belongs to another model (fingerprint differs); open one for this model")
         self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
-        self.km, self.policy, self.rank, self.budget_tokens = km, patch, rank, budget_tokens
+        self.km, self.policy, self.budget_tokens, self.settings = km, patch, budget_tokens, settings
         self._policy = POLICY_TYPES[patch]()
-        self.storage = "fp32" if rank is None else storage
-        self.guard = guard and rank is not None and km.layout.family != "mla"
-        self.max_kl = None if rank is None or km.layout.family == "mla" or max_kl is None else float(max_kl)
-        self.fit = "svd" if km.layout.family == "mla" else fit
+        self.rank, self.patch_bytes, self.storage = settings.rank, settings.patch_bytes, settings.storage
+        self.guard, self.max_kl, self.fit = settings.guard, settings.max_kl, settings.fit
         self.eviction = evict
         self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
         self._tick = 0
@@ -103,7 +100,7 @@ class Window:
         self._next_id = 0
         self._stats = WindowStats()
         self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
-        self._io = WindowIO(km, self.store, self._stats, rank, self.storage, self.guard, self.max_kl, self.fit)
+        self._io = WindowIO(km, self.store, self._stats, settings)
         self.encoder = self._io.encoder
 
     # ---- operations ---------------------------------------------------------------------------
@@ -408,8 +405,7 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probed = self.rank is not None and (self.guard or self.max_kl or self.fit == "query")
-        probe = QueryProbe.last_rows(int(chunk.ids.numel())) if probed else None
+        probe = QueryProbe.last_rows(int(chunk.ids.numel()), keep_all=self.fit == "query") if self.settings.probed else None
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0

@@ -1,37 +1,127 @@
 """How the window fits a chunk's patch from the KV of a pass it ran anyway (the in-context pass
 at append, or a conditioned pass): the deficit against the canonical KV, then by the window's
-settings:
+settings (`PatchSettings`):
 
 - `rank=None`: the exact deficit (full rank, float32);
-- `fit="svd"`: the truncated SVD of each layer's K and V deficit at `rank` (the plain
-  Frobenius fit);
-- `fit="query"`: the same rank with K fitted in the metric of the second moment of the queries
-  the pass computed for the chunk's last rows (`QueryProbe`), moved into the chunk-local frame:
-  the key error weighted by how the chunk's own later queries read it (`kamera_core.patch.fit`).
+- `rank="budget"` (the default): at most `patch_bytes` (default 6%) of the chunk's canonical KV
+  bytes as the window holds them, every chunk alike; `rank=r`: rank r in every layer;
+- `fit="query"` (the default): K fitted in the metric of the second moment of the queries the
+  pass computed for all of the chunk's rows, moved into the chunk-local frame (the key error
+  weighted by how queries like the chunk's own read it; `kamera_core.patch.fit`), V plainly.
   Text chunks only (a vision chunk's multi-axis positions are not one rotation back); others
-  take the SVD fit;
+  take the plain fit;
+- `fit="svd"`: the plain truncated SVD of each layer's K and V deficit (the Frobenius fit);
+- `fit="alloc"` (byte budget only): plain fits, with the budget's ranks spread over layers and
+  K/V by the greedy allocator instead of one rank for all;
+- `storage`: the factors' form, "int8" (the default), "fp16", "bf16" or "fp32";
 - then `guard=True` (`agentwin.guard.guard_chunk`) or `max_kl` (`agentwin.guard.fit_to_kl`).
+
+The defaults are the fit the fair evaluation's validation split chose at a 6% byte cap
+(`agentwin bench eval`: `docs/results/eval_binding.json`, `eval_smollm2.json`): K in the query
+metric with int8 factors (`kamera-query-int8`) on the three SmolLM2 traces and on the binding
+task's stale-antecedent condition; the allocator on its same-list condition. The ranks of a byte
+budget come from `kamera_core.budget.budget_ranks`, as in that evaluation (`agentwin.eval.fits`),
+so the window serves the fit that was measured.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from agentwin.guard import fit_to_kl, guard_chunk
 from agentwin.models.kv import relocate_kv
-from kamera_core import patch as kp
+from kamera_core import budget as kb, patch as kp
 from kamera_core.relocate import relocate_keys
 
-FITS = ("svd", "query")
+FITS = ("svd", "query", "alloc")
+BUDGET = "budget"
+DEFAULT_PATCH_BYTES = 0.06
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """A window's patch settings, checked (`patch_settings`)."""
+
+    rank: int | str | None  # None: exact; "budget": from patch_bytes; or one rank for every layer
+    patch_bytes: float | None
+    storage: str
+    guard: bool
+    max_kl: float | None
+    fit: str
+
+    @property
+    def method(self) -> str:
+        """The fit's name in patch keys: patches of other settings never answer for these."""
+        if self.rank is None:
+            return "exact"
+        target = f"+kl{self.max_kl:g}" if self.max_kl is not None else ""
+        budget = f"@{self.patch_bytes:g}" if self.rank == BUDGET else ""
+        return f"{self.fit}{'+guard' if self.guard else ''}{target}-{self.storage}{budget}"
+
+    @property
+    def key_rank(self) -> int | None:
+        return self.rank if isinstance(self.rank, int) else None
+
+    @property
+    def probed(self) -> bool:
+        """Whether the chunk's pass records queries (and logits) for the fit."""
+        return self.rank is not None and (self.guard or self.max_kl is not None or self.fit == "query")
+
+
+def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard: Any, max_kl: Any,
+                   fit: str) -> PatchSettings:
+    """Checked settings (ValueError / TypeError saying what to pass). MLA models (`family`) take
+    plain fits with neither guard nor fidelity target."""
+    if rank is not None and rank != BUDGET and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"rank must be {BUDGET!r} (ranks from patch_bytes), a positive int or None (exact), "
+                         f"got {rank!r}")
+    if patch_bytes is not None:
+        if rank != BUDGET:
+            raise ValueError("patch_bytes sets the ranks itself: pass it with rank='budget' (the default), "
+                             f"not with rank={rank!r}")
+        if isinstance(patch_bytes, bool) or not isinstance(patch_bytes, (int, float)) or not 0 < patch_bytes <= 1:
+            raise ValueError(f"patch_bytes must be a fraction of the canonical KV bytes in (0, 1], got {patch_bytes!r}")
+    if not isinstance(guard, bool):
+        raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
+    if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0):
+        raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+    if fit == "alloc" and rank != BUDGET:
+        raise ValueError("fit='alloc' spreads a byte budget over layers: use it with rank='budget'")
+    if storage not in kb.STORAGES:
+        raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
+    mla, exact = family == "mla", rank is None
+    fraction = float(patch_bytes if patch_bytes is not None else DEFAULT_PATCH_BYTES) if rank == BUDGET else None
+    return PatchSettings(rank, fraction, "fp32" if exact else storage, guard and not exact and not mla,
+                         None if exact or mla or max_kl is None else float(max_kl),
+                         ("alloc" if fit == "alloc" else "svd") if mla else fit)
 
 
 def query_metrics(km: Any, probe: Any, start: int) -> list[tuple[Any, None]]:
-    """Per layer `(K metric, None)`: the probe rows' query second moment per KV head, in the
-    chunk-local frame (rotated back by `start`, where the chunk's first token sat)."""
-    return [(kp.query_second_moment(relocate_keys(probe.queries[layer][0].float(), spec, -start, backend="torch"),
+    """Per layer `(K metric, None)`: the second moment per KV head of the queries of all the
+    chunk's rows in its pass (`QueryProbe.full`), in the chunk-local frame (rotated back by
+    `start`, where the chunk's first token sat)."""
+    return [(kp.query_second_moment(relocate_keys(probe.full[layer].float(), spec, -start, backend="torch"),
                                     km.layout.num_kv_heads), None)
             for layer, spec in enumerate(km.specs)]
+
+
+def budget_bytes(fraction: float, held: Any) -> int:
+    """`fraction` of a chunk's canonical KV bytes as held (per layer K and V tensors)."""
+    return int(fraction * sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in held))
+
+
+def layer_ranks(window: Any, deltas: list, held: Any, uniform: bool = False) -> list[tuple[int, int]]:
+    """Per layer (K rank, V rank): the window's rank, or its byte budget's ranks (spread by the
+    allocator for fit="alloc" unless `uniform`)."""
+    if window.rank != BUDGET:
+        return [(window.rank, window.rank)] * len(deltas)
+    gains = [(kp.gains(dk), kp.gains(dv)) for dk, dv in deltas] if window.fit == "alloc" and not uniform else None
+    return kb.budget_ranks(int(deltas[0][0].shape[0]), [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas],
+                           budget_bytes(window.patch_bytes, held), window.storage, gains)
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
@@ -39,22 +129,22 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
     `probed` is what the pass recorded (`(segments, QueryProbe, first)`, or None)."""
     t0 = time.perf_counter()
     km, stats = window.km, window._stats
+    held = window._hold(chunk)
     local = relocate_kv(exact, km.specs, km.layout, -start)
-    deltas = kp.deficit(local, window._hold(chunk))
+    deltas = kp.deficit(local, held)
     window._policy.measured(window, chunk, antecedent, deltas)
     text = chunk.inputs.kind == "text"
     if window.rank is None:
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
-        patch = fit_to_kl(km, stats, chunk.ids, window._hold(chunk), deltas, window.rank, window.storage,
-                          window.max_kl, start, *probed)
+        first = max(1, layer_ranks(window, deltas, held, uniform=True)[0][0])
+        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
     else:
         metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None
-        patch = kp.build_patch(deltas, [(window.rank, window.rank)] * len(deltas), window.fit, metrics=metrics,
+        patch = kp.build_patch(deltas, layer_ranks(window, deltas, held), window.fit, metrics=metrics,
                                storage=window.storage)
         if probed is not None and window.guard:
-            patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, window._hold(chunk), patch, exact, start,
-                                *probed)
+            patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, held, patch, exact, start, *probed)
     stats.patch_bytes += patch.nbytes
     stats.seconds["fit_patch"] += time.perf_counter() - t0
     return patch

@@ -17,14 +17,12 @@ from kamera_core import patch as kp
 
 
 class WindowIO:
-    """Store access for one window (`rank`, `storage`, `guard`, `max_kl`, `fit`: the window's
-    patch settings, part of the patch keys)."""
+    """Store access for one window (`settings`: the window's patch settings,
+    `agentwin.window_fit.PatchSettings`, part of the patch keys)."""
 
-    def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, rank: int | None, storage: str,
-                 guard: bool = False, max_kl: float | None = None, fit: str = "svd") -> None:
-        self.km, self.store, self._stats, self.rank, self.storage = km, store, stats, rank, storage
-        target = f"+kl{max_kl:g}" if max_kl is not None else ""
-        self.method = "exact" if rank is None else f"{fit}{'+guard' if guard else ''}{target}-{storage}"
+    def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, settings: Any) -> None:
+        self.km, self.store, self._stats = km, store, stats
+        self.rank, self.storage, self.method = settings.key_rank, settings.storage, settings.method
         self.encoder = EncoderCache(store)
 
     def features(self, vc: VisionChunk) -> dict:

@@ -32,14 +32,28 @@ MODELS = ("models: smollm2 (default for doc and web) is the embedded SmolLM2-135
           "Qwen/Qwen2.5-VL-3B-Instruct). The built-in tiny-* models have random weights: they "
           "cannot read or answer and exist for tests (--allow-random-weights runs them anyway).")
 
-def rank_arg(text: str) -> int | None:
-    """`--rank`: a positive int, or `exact` (full-rank float32 patches: the window equals a re-prefill)."""
+def rank_arg(text: str) -> int | str | None:
+    """`--rank`: `budget` (each chunk's patch within --patch-bytes of its KV bytes), a positive
+    int, or `exact` (full-rank float32 patches: the window equals a re-prefill)."""
     if text.lower() in ("exact", "none", "full"):
         return None
+    if text.lower() == "budget":
+        return "budget"
     try:
         return _positive(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"--rank must be a positive integer or 'exact', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--rank must be 'budget', a positive integer or 'exact', got {text!r}") from None
+
+
+def fraction_arg(text: str) -> float:
+    """`--patch-bytes`: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -53,7 +67,7 @@ def _positive(text: str) -> int:
 
 
 def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, budget: int, max_steps: int,
-                         rank: str = "16") -> None:
+                         rank: str = "budget") -> None:
     """The options every agent command shares."""
     group = parser.add_argument_group("model and window")
     what = (f"smollm2, a local path or a Hugging Face id (default {model})" if model else
@@ -61,7 +75,10 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
     group.add_argument("--model", default=model, help=f"{what}; see below")
     group.add_argument("--budget-tokens", type=_positive, default=budget, help=f"window size in tokens (default {budget})")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
-                       help=f"antecedent patch rank, or 'exact' (default {rank})")
+                       help=f"antecedent patches: 'budget' (each within --patch-bytes of the chunk's KV bytes), "
+                            f"a rank, or 'exact' (default {rank})")
+    group.add_argument("--patch-bytes", type=fraction_arg, default=None,
+                       help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
     group.add_argument("--patch", choices=("origin", "fresh", "none"), default="origin",
                        help="patch policy: origin (fitted at append), fresh (a pass per new antecedent), none (blind)")
     group.add_argument("--store", metavar="DIR", help="keep canonical KV and patches on disk in DIR, shared across runs")

@@ -2,11 +2,14 @@
 
 Every trace (`agentwin.eval.trace`) is replayed in one process on one model through the float32
 re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
-(`Window(patch="none")`) and the agentwin window with rank-limited patches. A byte budget is a
-fraction of a chunk's canonical KV bytes; `rank_for_budget` turns it into the largest rank whose
-patch (`kamera_core.budget.bytes_per_rank`, every layer's keys and values) fits the budget for
-every chunk of the trace. Fits: "origin" (the window's default: origin patches), "origin+guard"
-(the same with `guard=True`), "orbit" (orbit patches, no extra orders).
+(`Window(patch="none")`) and the agentwin window with byte-limited patches. A byte budget is a
+fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
+origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: keys in
+its queries' metric, int8 factors), "origin+guard" (the same with `guard=True`), "origin-svd"
+(the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
+(orbit patches, no extra orders, at that rank). For the rank-based fits `rank_for_budget` turns
+the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every
+layer's keys and values) fits it for every chunk of the trace.
 
 A decision is a stale case when the default fit served some chunk with a patch fitted after
 another antecedent than the one it has now (`WindowStats.stale_patches` grew while the window's
@@ -35,8 +38,11 @@ from kamera_core.budget import bytes_per_rank
 
 BUDGETS = (0.015, 0.03, 0.06, 0.12)
 HEADLINE = 0.06
-FITS = {"origin": ("origin", False), "origin+guard": ("origin", True), "orbit": ("orbit", False)}
-DEFAULT_FITS = ("origin", "origin+guard")
+# name: (patch policy, guard, by bytes (the window's default fit) or else by rank (svd, fp16))
+FITS = {"origin": ("origin", False, True), "origin+guard": ("origin", True, True),
+        "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False)}
+RANK_FIT = {"fit": "svd", "storage": "fp16"}
+DEFAULT_FITS = ("origin", "origin+guard", "origin-svd")
 DEFAULT_FIT = "origin"
 STALE_GUARDS = ("origin-neighbour", "origin-present", "origin-either")
 AGENT_TRACES = ("doc", "web", "video")
@@ -48,7 +54,7 @@ TARGET = (f"At ≤ {HEADLINE:.0%} of a chunk's canonical KV bytes, the patched w
           "(stale_worse_than_blind = 0).")
 FILLER = ("Weather note for the bay: a light westerly wind, scattered cloud over the hills and a dry afternoon. "
           "The ferry timetable is unchanged and the market opens at nine.")
-STORAGE = "fp16"  # the window's patch storage (Window's default)
+STORAGE = RANK_FIT["storage"]  # the rank-based fits' patch storage
 
 
 def kv_shapes(km: Any) -> list[tuple[int, int, int, int]]:
@@ -145,19 +151,25 @@ def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Seque
     for b in budgets:
         rank = sizing["ranks"][f"{b:g}"]
         for fit in fits:
-            if rank < 1:
+            patch, guard, by_bytes = FITS[fit]
+            if by_bytes:
+                name = f"{fit}-b{b:g}"
+                add(name, lambda p=patch, g=guard, b=b, n=name: AgentwinStrategy(km, n, p, "budget", budget, g,
+                                                                                patch_bytes=b))
+            elif rank < 1:
                 continue
-            name = done.get((fit, rank))
-            if name is None:
-                name = done[(fit, rank)] = f"{fit}-r{rank}"
-                patch, guard = FITS[fit]
-                add(name, lambda p=patch, g=guard, r=rank, n=name: AgentwinStrategy(km, n, p, r, budget, g))
+            else:
+                name = done.get((fit, rank))
+                if name is None:
+                    name = done[(fit, rank)] = f"{fit}-r{rank}"
+                    add(name, lambda p=patch, g=guard, r=rank, n=name: AgentwinStrategy(km, n, p, r, budget, g,
+                                                                                        **RANK_FIT))
             grid[fit][f"{b:g}"] = name
-    head_rank = sizing["ranks"][f"{HEADLINE:g}"]
     default = grid.get(DEFAULT_FIT, {}).get(f"{HEADLINE:g}")
-    for policy in guards if head_rank >= 1 else ():
-        add(f"{policy}-r{head_rank}", lambda p=policy: AgentwinStrategy(km, f"{p}-r{head_rank}", p, head_rank, budget))
-    stale = stale_cases(runs, default, [f"{p}-r{head_rank}" for p in guards if head_rank >= 1])
+    for policy in guards:
+        add(f"{policy}-b{HEADLINE:g}", lambda p=policy: AgentwinStrategy(km, f"{p}-b{HEADLINE:g}", p, "budget", budget,
+                                                                          patch_bytes=HEADLINE))
+    stale = stale_cases(runs, default, [f"{p}-b{HEADLINE:g}" for p in guards])
     return {"trace": trace.summary(), "revisits": trace.revisits, **sizing, "grid": grid, "default": default,
             "reference": row_of(reference, ref_timing, summarize(score(trace, reference, reference, km.tokenizer,
                                                                         greedy))),
@@ -177,7 +189,7 @@ def stale_cases(runs: dict[str, tuple[Any, dict, list]], default: str | None, gu
             case = {"decision": index, "step": rows[index]["step"], "stale_placements": count,
                     "kl": rows[index]["kl"], "kl_blind": runs["blind"][2][index]["kl"],
                     "greedy": rows[index]["greedy"], "greedy_blind": runs["blind"][2][index]["greedy"]}
-            case["kl_guards"] = {g.rsplit("-r", 1)[0]: runs[g][2][index]["kl"] for g in guards}
+            case["kl_guards"] = {g.rsplit("-b", 1)[0]: runs[g][2][index]["kl"] for g in guards}
             out.append(case)
     return out
 
@@ -260,7 +272,7 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     out["stale_guard"] = choose_guard(entries, validation, [n for n in entries if n not in validation], guards)
     for g in guards:
         out["stale_guard"].setdefault("pooled", {})[g] = pooled(
-            entries, agent, lambda e, g=g: next((n for n in e["strategies"] if n.startswith(g + "-r")), None))
+            entries, agent, lambda e, g=g: next((n for n in e["strategies"] if n.startswith(g + "-b")), None))
     out["target"] = verdict(out)
     return out
 

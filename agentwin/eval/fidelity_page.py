@@ -67,7 +67,10 @@ def render_page(result: dict[str, Any]) -> str:
             lines.append(f"| {label} | {row['decisions']} | {_kl(row['kl_mean'])} | {_pct(row['top1'])} | "
                          f"{_pct(row['greedy16'])} | {_pct(row['same_action'])} |")
     lines += ["", "## Ranks from byte budgets", "",
-              ("A rank-r patch costs r · (T + F) · 2 bytes per layer for keys and as much for values (fp16 factors, "
+              ("The window's default fit (`origin`, `origin+guard`) takes each chunk's own ranks within the budget "
+               "(`Window(patch_bytes=b)`; int8 factors cost T + F + 8 bytes per rank). The rank-based fits "
+               "(`origin-svd`, `orbit`) take one rank per trace: "
+               "a rank-r patch costs r · (T + F) · 2 bytes per layer for keys and as much for values (fp16 factors, "
               "`kamera_core.budget.bytes_per_rank`; T the chunk's tokens, F the features per token), against "
               "T · F · 4 bytes of canonical float32 KV. The rank of a trace is the largest whose patch fits the "
               "budget for every chunk of the trace that takes a patch (appended after another chunk; the shortest "
@@ -80,7 +83,7 @@ def render_page(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {min(e['chunk_tokens'])}–{max(e['chunk_tokens'])} | " + " | ".join(cells) + " |")
     lines += ["", "## Fits × budgets × traces", "",
               ("KL mean (nats) / greedy-16 agreement against the float32 re-prefill at every decision of the trace; "
-              "blind reuse and the noise floor for comparison. A budget too small for rank 1 has no entry. The "
+              "blind reuse and the noise floor for comparison. A budget too small for rank 1 has no rank-based entry. The "
               f"hard-case traces (validation of the stale guard) run the `{DEFAULT_FIT}` fit at {HEADLINE:.0%} only "
               "and have no noise floor."), "",
               "| trace | fit | " + " | ".join(f"{b:.1%}" for b in s["budgets"]) + " |",
@@ -117,10 +120,14 @@ def render_page(result: dict[str, Any]) -> str:
               "parse_action`; the hard cases' replies are not actions). The noise floor is a bfloat16 copy of the "
               "model re-prefilling the same inputs (agent traces only)."), "",
               "| fit | what it is |", "| --- | --- |",
-              "| origin | `Window(patch=\"origin\", rank=r)`: the patch fitted at append, served after any antecedent |",
+              ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
+               "within the budget (keys in the metric of the chunk's own queries, int8 factors), served after any "
+               "antecedent |"),
+              ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
+               "default fit |"),
               ("| origin+guard | the same with `guard=True` (`agentwin.guard`: a patch component kept only where it "
               "beats blind reuse on the chunk's last rows) |"),
-              "| orbit | `Window(patch=\"orbit\", rank=r)`, no `fit_orbit` orders |",
+              "| orbit | `Window(patch=\"orbit\", rank=r, fit=\"svd\", storage=\"fp16\")`, no `fit_orbit` orders |",
               "| blind reuse | `Window(patch=\"none\")`: canonical KV re-rotated, no patch |"]
     unused = [f for f in FITS if f not in s["fits"]]
     if unused:
@@ -169,7 +176,7 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
                          f"{guards} | {'yes' if c['greedy'] else 'no'} / {'yes' if c['greedy_blind'] else 'no'} |")
     lines += ["", "### Stale-patch guard", "",
               "Tried: " + ", ".join(f"`{g}`" for g in ["origin (no guard)"] + result["settings"]["guards"])
-              + f", each at the trace's {HEADLINE:.0%} rank. `origin-neighbour` serves the origin patch only when "
+              + f", each with the window's default fit at {HEADLINE:.0%} of the bytes. `origin-neighbour` serves the origin patch only when "
               "the chunk right before is the one that was right before it at its origin (the antecedents' last "
               "chunks agree), `origin-present` only while every chunk before it at its origin is before it still (in "
               "any order), `origin-either` where either of the two holds; blind reuse otherwise. Chosen on the "

@@ -1,7 +1,9 @@
 """Does the patch guard do no harm? Blind reuse, plain SVD patches and guarded patches of the
 window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
-keys fitted in the metric of the chunk's own queries (`Window(fit="query")`); then the window
-with the case's noise floor as its fidelity target (`Window(max_kl=...)`).
+keys fitted in the metric of the chunk's own queries (`fit="query"`), all these with fp16
+factors at one rank; the window's default fit within the same bytes (`Window(patch_bytes=...)`:
+query metric, int8 factors, each chunk's own ranks), alone and guarded; then the window with the
+case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
 
@@ -28,6 +30,7 @@ from kamera_core import budget as kb
 from kamera_core.metrics import kl_divergence
 
 BUDGETS = (0.015, 0.03, 0.06, 0.12, 0.25)
+FP16 = {"fit": "svd", "storage": "fp16"}  # the rank-based rows: the window's fit before the byte-budget default
 
 
 def _served(km: Any, case: HardCase, **window_args: Any) -> tuple[Any, int]:
@@ -76,23 +79,29 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
     for budget in budgets:
         rank = rank_for(budget, tokens, k[0].numel(), v[0].numel(), layers)
         entry: dict[str, Any] = {"budget": budget, "rank": rank}
-        for name, settings in (("svd", {}), ("guard", {"guard": True}), ("query", {"fit": "query"})):
-            window, b = _served(km, case, rank=rank, **settings)
+        held = sum(x.numel() * x.element_size() for kv in window._chunks[b].canonical for x in kv)
+        by_bytes = {"rank": "budget", "patch_bytes": budget * kv_bytes / held}  # the same bytes, as the window counts
+        for name, settings in (("svd", {"rank": rank, **FP16}), ("guard", {"rank": rank, "guard": True, **FP16}),
+                               ("query", {"rank": rank, **FP16, "fit": "query"}), ("window", by_bytes),
+                               ("window+guard", {**by_bytes, "guard": True})):
+            window, b = _served(km, case, **settings)
             kl = _kl(window, case, references)  # reads the stored patch back
             patch = next(iter(window._chunks[b].patches.values()))
             stats = window.stats()
             entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                            "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
                            "checked": stats.guard_checked}
-        g, s, q = entry["guard"], entry["svd"], entry["query"]
+        g, s, q, w, wg = (entry[n] for n in ("guard", "svd", "query", "window", "window+guard"))
         log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
             f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})  "
-            f"query-metric KL {q['kl']:.4f}")
+            f"query-metric KL {q['kl']:.4f}  window default KL {w['kl']:.4f} ({w['bytes_frac']:.2%}), "
+            f"guarded {wg['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
     # the ladder starting at the smallest budget's rank.
     target = row.get("noise_floor", TARGET_KL)
-    window, b = _served(km, case, rank=rank_for(budgets[0], tokens, k[0].numel(), v[0].numel(), layers), max_kl=target)
+    window, b = _served(km, case, rank=rank_for(budgets[0], tokens, k[0].numel(), v[0].numel(), layers), max_kl=target,
+                        **FP16)
     kl = _kl(window, case, references)
     patch = next(iter(window._chunks[b].patches.values()))
     row["max_kl"] = {"target": target, "kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
@@ -117,10 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
     rows = [measure_case(km, CASES[name], bf16=bf16) for name in args.cases.split(",")]
     for row in rows:
-        worse = [e["budget"] for e in row["budgets"] if e["guard"]["kl"] > row["blind"]]
-        quarter = [e["budget"] for e in row["budgets"] if e["budget"] <= 0.06 and e["guard"]["kl"] > 0.25 * row["blind"]]
-        print(f"{row['case']}: guarded worse than blind at {worse or 'no budget'}; "
-              f"above 25% of blind at <=6% bytes: {quarter or 'none'}")
+        for name in ("guard", "window", "window+guard"):
+            worse = [e["budget"] for e in row["budgets"] if e[name]["kl"] > row["blind"]]
+            quarter = [e["budget"] for e in row["budgets"] if e["budget"] <= 0.06 and e[name]["kl"] > 0.25 * row["blind"]]
+            print(f"{row['case']} {name}: worse than blind at {worse or 'no budget'}; "
+                  f"above 25% of blind at <=6% bytes: {quarter or 'none'}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": "python -m agentwin.eval.guard_study " + " ".join(argv or sys.argv[1:]),

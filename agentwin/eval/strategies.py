@@ -406,17 +406,17 @@ class Streaming(Strategy):
 
 
 class AgentwinStrategy(Strategy):
-    """`agentwin.Window(km, budget_tokens, patch, rank)` over a private RAM store. The trace's
+    """`agentwin.Window(km, budget_tokens, patch, rank, guard, **window_args)` over a private RAM store. The trace's
     evictions are issued explicitly before each append or recall, so the window's own budget
     never has to evict (checked after every operation)."""
 
-    def __init__(self, km: KameraModel, name: str, patch: str = "origin", rank: int | None = 16,
-                 budget_tokens: int = 8192, guard: bool = False) -> None:
+    def __init__(self, km: KameraModel, name: str, patch: str = "origin", rank: int | str | None = 16,
+                 budget_tokens: int = 8192, guard: bool = False, **window_args: Any) -> None:
         super().__init__(km)
         from agentwin.window import Window
 
         self.name = name
-        self.window = Window(km, budget_tokens=budget_tokens, patch=patch, rank=rank, guard=guard)
+        self.window = Window(km, budget_tokens=budget_tokens, patch=patch, rank=rank, guard=guard, **window_args)
         self._id: dict[int, Any] = {}
         self.stale: list[int] = []  # per decision: placements served with a stale patch
 

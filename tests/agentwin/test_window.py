@@ -305,7 +305,7 @@ def test_orbit_patch_is_the_mean_deficit_over_the_fitted_orders():
     one, where it came first, a zero deficit), each taken from the transformers model's own forward."""
     km = _km("tiny-llama-gqa")
     texts = TEXTS[:3]
-    win = Window(km, budget_tokens=4096, patch="orbit", rank=4096)  # rank >= every block: full rank
+    win = Window(km, budget_tokens=4096, patch="orbit", rank=4096, storage="fp16")  # rank >= every block: full rank
     ids = [win.append(t) for t in texts]
     assert win.fit_orbit(orders=6, seed=0) == 6  # all 3! orders
     win.reorder([ids[2], ids[1], ids[0]])

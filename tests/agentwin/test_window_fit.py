@@ -58,8 +58,8 @@ def test_max_kl_is_checked_and_ignored_for_exact_patches():
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
 def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
-    """`fit="query"`: B's key patch is the fit in the second moment of B's last rows' queries,
-    taken in the chunk-local frame. Checked against the same metric built from a separate capture
+    """`fit="query"`: B's key patch is the fit in the second moment of the queries of all B's
+    rows, taken in the chunk-local frame. Checked against the same metric built from a separate capture
     of the model's own transformers forward over A then B (`conditioned_pass`), rows and frame
     included; the values keep the plain fit."""
     import torch
@@ -75,19 +75,105 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     stored = next(iter(win._chunks[b].patches.values()))
     a_ids, b_ids = km.tokenize(A), km.tokenize(B)
     cp = conditioned_pass(km.model, torch.cat([a_ids, b_ids]), len(a_ids), km.specs, km.layout)
-    rows = QueryProbe.last_rows(len(b_ids)).rows
-    metrics = [(kp.query_second_moment(q[rows], km.layout.num_kv_heads), None) for q in cp.queries]
+    metrics = [(kp.query_second_moment(q, km.layout.num_kv_heads), None) for q in cp.queries]
+    last = QueryProbe.last_rows(len(b_ids)).rows  # the guard's probe rows: a different metric
+    probe_only = [(kp.query_second_moment(q[last], km.layout.num_kv_heads), None) for q in cp.queries]
     deltas = kp.deficit(_local(cp, km), win._chunks[b].canonical)
     expected = kp.build_patch(deltas, [(3, 3)] * len(deltas), "query", metrics=metrics, storage="fp32")
     plain = kp.build_patch(deltas, [(3, 3)] * len(deltas), "svd", storage="fp32")
-    got, want, svd = (kp.apply_patch(win._chunks[b].canonical, p) for p in (stored, expected, plain))
+    lastrows = kp.build_patch(deltas, [(3, 3)] * len(deltas), "query", metrics=probe_only, storage="fp32")
+    got, want, svd, tail = (kp.apply_patch(win._chunks[b].canonical, p) for p in (stored, expected, plain, lastrows))
     for (gk, gv), (wk, wv), (sk, _) in zip(got, want, svd):
         scale = float(wk.abs().max())
         assert float((gk - wk).abs().max()) <= 2e-3 * scale and float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
     assert max(float((w[0] - s[0]).abs().max()) for w, s in zip(want, svd)) > 1e-2 * scale  # the metric matters
+    assert max(float((w[0] - t[0]).abs().max()) for w, t in zip(want, tail)) > 1e-2 * scale  # and its rows
 
 
 def _local(cp, km):
     from agentwin.models.kv import relocate_kv
 
     return relocate_kv(cp.chunk_kv(), km.specs, km.layout, -cp.chunk_start)
+
+
+def _captured(km, win, b):
+    """B's deficit and its rows' queries (chunk-local frame) from a separate capture of the
+    model's own forward over A then B."""
+    import torch
+
+    from agentwin.models.conditioned import conditioned_pass
+    from kamera_core import patch as kp
+
+    a_ids, b_ids = km.tokenize(A), km.tokenize(B)
+    cp = conditioned_pass(km.model, torch.cat([a_ids, b_ids]), len(a_ids), km.specs, km.layout)
+    return kp.deficit(_local(cp, km), win._chunks[b].canonical), cp.queries
+
+
+def _kv_bytes(kv) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def test_a_sliding_window_model_takes_the_default_budget_too():
+    km = _km("tiny-gemma3")
+    win = Window(km, budget_tokens=4096)
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    assert 0 < stored.nbytes <= int(0.06 * _kv_bytes(win._chunks[b].canonical))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
+def test_the_default_patch_is_the_evaluations_query_int8_fit_within_six_percent(name):
+    """A default window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
+    `kamera-query-int8` does at that budget (`agentwin.eval.fits`) from a separate capture of the
+    model's forward: same ranks, same corrected KV."""
+    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
+    from kamera_core import patch as kp
+
+    km = _km(name)
+    win = Window(km, budget_tokens=4096)
+    assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, "query", "int8")
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    canonical = win._chunks[b].canonical
+    budget = int(0.06 * _kv_bytes(canonical))
+    assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
+    deltas, queries = _captured(km, win, b)
+    want = eval_fit(Conditioning(deltas, queries, 0.0), "kamera-query", budget, "int8", km.layout.num_kv_heads)
+    assert [(lp.k.rank, lp.v.rank) for lp in stored.layers] == [(lp.k.rank, lp.v.rank) for lp in want.layers]
+    assert stored.nbytes == want.nbytes
+    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
+        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
+        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+
+
+def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
+    from agentwin.eval.fits import fit_patch as eval_fit
+
+    km = _km("tiny-llama-gqa")
+    win = Window(km, budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1)
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    budget = int(0.1 * _kv_bytes(win._chunks[b].canonical))
+    deltas, _ = _captured(km, win, b)
+    want = eval_fit(deltas, "kamera-alloc", budget, "fp16")
+    ranks = [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in stored.layers]
+    assert ranks == [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in want.layers]
+    assert len(set(ranks)) > 1  # not one rank for all
+    assert stored.nbytes <= budget
+
+
+def test_patch_settings_are_checked():
+    km = _km("tiny-llama-gqa")
+    for args, match in [({"rank": 4, "patch_bytes": 0.1}, "patch_bytes sets the ranks"),
+                        ({"rank": None, "patch_bytes": 0.1}, "patch_bytes sets the ranks"),
+                        ({"patch_bytes": 0}, "patch_bytes must be a fraction"),
+                        ({"patch_bytes": 1.5}, "patch_bytes must be a fraction"),
+                        ({"rank": 4, "fit": "alloc"}, "fit='alloc' spreads a byte budget"),
+                        ({"rank": "auto"}, "rank must be 'budget'"),
+                        ({"storage": "int4"}, "storage must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            Window(km, **args)
+    assert Window(km, rank=None).storage == "fp32" and Window(km, rank=4).patch_bytes is None

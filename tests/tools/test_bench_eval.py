@@ -40,8 +40,8 @@ def test_quick_mode_end_to_end(tmp_path):
     assert {(s["split"], s["condition"]) for s in summ} == {(sp, c) for sp in ("validation", "test")
                                                               for c in ("same-list", "other-list")}
     methods = {s["method"] for s in summ}
-    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query",
-                       "kamera-query-int8", "kamera-alloc", "token-sparse", "oracle"}
+    assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query", "kamera-alloc",
+                       "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "token-sparse", "oracle"}
     for s in summ:
         if s["method"] == "full":
             assert s["kl"] <= 1e-9 and s["compute_frac"] == 1.0 and s["build_compute_frac"] == 0.0

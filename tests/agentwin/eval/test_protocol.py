@@ -137,7 +137,7 @@ def test_every_method_is_charged_its_one_time_compute(reorder_ctx):
     assert rows[("full", "")]["compute_frac"] == 1.0 and rows[("full", "")]["build_compute_frac"] == 0.0
     for key in (("blind", ""), ("cacheblend", "15%"), ("epic", "k=4"), ("vlcache", "r=5%")):
         assert rows[key]["build_compute_frac"] == pytest.approx(1.0), key  # the canonical encode
-    for method in ("kamera-svd", "kamera-query", "kamera-query-int8", "kamera-alloc", "token-sparse"):
+    for method in (*wl.PATCH_METHODS, "token-sparse"):
         r = rows[(method, "12.0%")]
         # canonical encode + the conditioned pass the patch is fitted from
         assert r["build_compute_frac"] == pytest.approx(2.0) and r["compute_frac"] == 0.0, method

@@ -119,3 +119,37 @@ def select(summary: Sequence[dict], group: Sequence[str], metric: str, higher_be
                             "validation": {metric: best[metric], unit: best[unit]},
                             "test": test.get(gval + _key(best))})
     return out
+
+
+def window_default(results: Sequence[dict], cap: float = 0.06) -> dict:
+    """The patch fit a window should use by default, from evaluation results (`eval_binding.json`,
+    `eval_smollm2.json`): in every group of each (a binding condition, a SmolLM2 trace), the Kamera
+    method chosen on validation at `cap` bytes; the method chosen in the most groups wins, ties to
+    the lower mean validation rank. Only validation rows decide (`select`). Returns {"method",
+    "votes": {method: groups}, "groups": [(group, method)]}."""
+    groups: list[tuple[str, str]] = []
+    ranks: dict[str, list[int]] = {}
+    for res in results:
+        for s in res["selected"]:
+            if s["family"] == "kamera" and abs(s["cap"] - cap) < 1e-12:
+                group = s.get("condition") or s.get("trace")
+                groups.append((group, s["method"]))
+        # each Kamera method's rank among the Kamera methods on validation at the cap, per group
+        keys = ("condition", "trace")
+        val = [s for s in res["summary"] if s["split"] == "validation" and family(s["method"]) == "kamera"
+               and s["bytes_frac"] <= cap + 1e-12]
+        metric, sign = ("acc", -1.0) if val and "acc" in val[0] else ("kl", 1.0)
+        for g in dict.fromkeys(next(s[k] for k in keys if k in s) for s in val):
+            best: dict[str, float] = {}
+            for s in val:
+                if next(s[k] for k in keys if k in s) == g:
+                    best[s["method"]] = min(best.get(s["method"], math.inf), sign * s[metric])
+            for r, m in enumerate(sorted(best, key=best.get)):
+                ranks.setdefault(m, []).append(r)
+    votes: dict[str, int] = {}
+    for _, m in groups:
+        votes[m] = votes.get(m, 0) + 1
+    if not votes:
+        raise ValueError(f"no Kamera method was chosen at a {cap:.0%} cap in these results")
+    method = min(votes, key=lambda m: (-votes[m], statistics.fmean(ranks.get(m, [math.inf]))))
+    return {"method": method, "votes": votes, "groups": groups}

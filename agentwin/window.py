@@ -16,8 +16,8 @@ for this very antecedent are already stored is appended with no forward at all.
 Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
 for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "orbit", "fresh" (a
 conditioned pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
-canonical KV by default (`patch_bytes`; `agentwin.window_fit` has the fits and why they are the
-defaults); `rank=None`: exact (full-rank, float32) patches, the window then reproduces a
+canonical KV by default (`patch_bytes`), spread over layers, int8 factors (`agentwin.window_fit`
+has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the window then reproduces a
 re-prefill. `guard=True` keeps a low-rank patch only where it beats blind reuse on the chunk's
 last rows; `max_kl=x` fits each text chunk's patch for a KL target on those rows instead
 (`agentwin.guard`).
@@ -59,15 +59,16 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
-                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "query",
+                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "alloc",
                  patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
         is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
         Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
-        default 0.06, of its canonical KV bytes), an int (that rank in every layer) or None (exact);
-        fit "query" (keys in the metric of the chunk's own queries), "svd" or "alloc" (ranks spread
-        over layers); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it
+        default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
+        None (exact); fit "alloc" (ranks spread over layers and K/V), "svd" or "query" (one rank
+        everywhere; keys in the metric of the chunk's own queries); storage "int8", "fp16", "bf16"
+        or "fp32". guard: keep a patch only where it
         beats blind reuse (`agentwin.guard`; not for exact patches or MLA). Off by default: on
         SmolLM2's document agent it took the time outside the model's forwards from 8% to 24% of
         a step. max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows

@@ -4,24 +4,26 @@ settings (`PatchSettings`):
 
 - `rank=None`: the exact deficit (full rank, float32);
 - `rank="budget"` (the default): at most `patch_bytes` (default 6%) of the chunk's canonical KV
-  bytes as the window holds them, every chunk alike; `rank=r`: rank r in every layer;
-- `fit="query"` (the default): K fitted in the metric of the second moment of the queries the
-  pass computed for all of the chunk's rows, moved into the chunk-local frame (the key error
-  weighted by how queries like the chunk's own read it; `kamera_core.patch.fit`), V plainly.
-  Text chunks only (a vision chunk's multi-axis positions are not one rotation back); others
-  take the plain fit;
-- `fit="svd"`: the plain truncated SVD of each layer's K and V deficit (the Frobenius fit);
-- `fit="alloc"` (byte budget only): plain fits, with the budget's ranks spread over layers and
-  K/V by the greedy allocator instead of one rank for all;
-- `storage`: the factors' form, "int8" (the default), "fp16", "bf16" or "fp32";
+  bytes as the window holds them, every chunk alike; `rank=r`: the bytes of rank r in every
+  layer's K and V;
+- `fit="alloc"` (the default): plain fits, the bytes spread over layers and K/V by the greedy
+  allocator on each block's singular values normalised by its energy
+  (`kamera_core.budget.budget_ranks`), so layers whose deficit is concentrated get the ranks;
+- `fit="svd"`: the same rank in every layer's K and V, plain truncated SVD (the Frobenius fit);
+- `fit="query"`: the same rank everywhere, K fitted in the metric of the second moment of the
+  queries the pass computed for all of the chunk's rows, moved into the chunk-local frame, V
+  plainly. Text chunks only (a vision chunk's multi-axis positions are not one rotation back);
+  others take the plain fit;
+- `storage`: the factors' form, "int8" (the default: per-rank scales, about half the bytes of
+  fp16, so twice the rank for the budget), "fp16", "bf16" or "fp32";
 - then `guard=True` (`agentwin.guard.guard_chunk`) or `max_kl` (`agentwin.guard.fit_to_kl`).
 
-The defaults are the fit the fair evaluation's validation split chose at a 6% byte cap
-(`agentwin bench eval`: `docs/results/eval_binding.json`, `eval_smollm2.json`): K in the query
-metric with int8 factors (`kamera-query-int8`) on the three SmolLM2 traces and on the binding
-task's stale-antecedent condition; the allocator on its same-list condition. The ranks of a byte
-budget come from `kamera_core.budget.budget_ranks`, as in that evaluation (`agentwin.eval.fits`),
-so the window serves the fit that was measured.
+The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
+(`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
+`eval_smollm2.json`): the allocator with int8 factors (`kamera-alloc-int8`) in 3 of the 5 groups
+(both binding conditions and the SmolLM2 recall trace; query-int8 won reorder, svd-int8 slide). A
+test holds the defaults to that choice. The ranks come from the same function the evaluation fits
+its Kamera methods with, so the window serves the fit that was measured.
 """
 
 from __future__ import annotations
@@ -89,8 +91,6 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
         raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    if fit == "alloc" and rank != BUDGET:
-        raise ValueError("fit='alloc' spreads a byte budget over layers: use it with rank='budget'")
     if storage not in kb.STORAGES:
         raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
     mla, exact = family == "mla", rank is None
@@ -115,13 +115,21 @@ def budget_bytes(fraction: float, held: Any) -> int:
 
 
 def layer_ranks(window: Any, deltas: list, held: Any, uniform: bool = False) -> list[tuple[int, int]]:
-    """Per layer (K rank, V rank): the window's rank, or its byte budget's ranks (spread by the
-    allocator for fit="alloc" unless `uniform`)."""
-    if window.rank != BUDGET:
+    """Per layer (K rank, V rank): the window's rank in every layer, or its bytes (those of the
+    byte budget, or of that rank in every layer) spread by the allocator for fit="alloc" unless
+    `uniform`."""
+    alloc = window.fit == "alloc" and not uniform
+    if window.rank != BUDGET and not alloc:
         return [(window.rank, window.rank)] * len(deltas)
-    gains = [(kp.gains(dk), kp.gains(dv)) for dk, dv in deltas] if window.fit == "alloc" and not uniform else None
-    return kb.budget_ranks(int(deltas[0][0].shape[0]), [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas],
-                           budget_bytes(window.patch_bytes, held), window.storage, gains)
+    tokens = int(deltas[0][0].shape[0])
+    features = [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas]
+    if window.rank == BUDGET:
+        budget = budget_bytes(window.patch_bytes, held)
+    else:
+        budget = window.rank * sum(kb.bytes_per_rank(tokens, fk, window.storage) + kb.bytes_per_rank(tokens, fv, window.storage)
+                                   for fk, fv in features)
+    gains = [(kp.gains(dk), kp.gains(dv)) for dk, dv in deltas] if alloc else None
+    return kb.budget_ranks(tokens, features, budget, window.storage, gains)
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:

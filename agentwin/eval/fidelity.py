@@ -4,8 +4,8 @@ Every trace (`agentwin.eval.trace`) is replayed in one process on one model thro
 re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
 (`Window(patch="none")`) and the agentwin window with byte-limited patches. A byte budget is a
 fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
-origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: keys in
-its queries' metric, int8 factors), "origin+guard" (the same with `guard=True`), "origin-svd"
+origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: ranks
+spread over layers and K/V, int8 factors), "origin+guard" (the same with `guard=True`), "origin-svd"
 (the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
 (orbit patches, no extra orders, at that rank). For the rank-based fits `rank_for_budget` turns
 the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every

@@ -121,7 +121,7 @@ def render_page(result: dict[str, Any]) -> str:
               "model re-prefilling the same inputs (agent traces only)."), "",
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
-               "within the budget (keys in the metric of the chunk's own queries, int8 factors), served after any "
+               "within the budget (ranks spread over layers and K/V, int8 factors), served after any "
                "antecedent |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),

@@ -2,7 +2,7 @@
 window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
 keys fitted in the metric of the chunk's own queries (`fit="query"`), all these with fp16
 factors at one rank; the window's default fit within the same bytes (`Window(patch_bytes=...)`:
-query metric, int8 factors, each chunk's own ranks), alone and guarded; then the window with the
+ranks spread over layers and K/V, int8 factors), alone and guarded; then the window with the
 case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]

@@ -123,16 +123,18 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
-def test_the_default_patch_is_the_evaluations_query_int8_fit_within_six_percent(name):
-    """A default window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
-    `kamera-query-int8` does at that budget (`agentwin.eval.fits`) from a separate capture of the
-    model's forward: same ranks, same corrected KV."""
+@pytest.mark.parametrize("fit", ["alloc", "query"])
+def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
+    """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
+    `kamera-alloc-int8` (the default) or `kamera-query-int8` does at that budget
+    (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
+    corrected KV."""
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
     from kamera_core import patch as kp
 
     km = _km(name)
-    win = Window(km, budget_tokens=4096)
-    assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, "query", "int8")
+    win = Window(km, budget_tokens=4096) if fit == "alloc" else Window(km, budget_tokens=4096, fit=fit)
+    assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -140,16 +142,22 @@ def test_the_default_patch_is_the_evaluations_query_int8_fit_within_six_percent(
     budget = int(0.06 * _kv_bytes(canonical))
     assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
     deltas, queries = _captured(km, win, b)
-    want = eval_fit(Conditioning(deltas, queries, 0.0), "kamera-query", budget, "int8", km.layout.num_kv_heads)
-    assert [(lp.k.rank, lp.v.rank) for lp in stored.layers] == [(lp.k.rank, lp.v.rank) for lp in want.layers]
-    assert stored.nbytes == want.nbytes
+    want = eval_fit(Conditioning(deltas, queries, 0.0), f"kamera-{fit}", budget, "int8", km.layout.num_kv_heads)
+    assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
+    if fit == "alloc":
+        assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
     for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
         assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
         assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
 
 
+def _ranks(patch) -> list[tuple[int, int]]:
+    return [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in patch.layers]
+
+
 def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     from agentwin.eval.fits import fit_patch as eval_fit
+    from kamera_core import budget as kb
 
     km = _km("tiny-llama-gqa")
     win = Window(km, budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1)
@@ -158,11 +166,18 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     stored = next(iter(win._chunks[b].patches.values()))
     budget = int(0.1 * _kv_bytes(win._chunks[b].canonical))
     deltas, _ = _captured(km, win, b)
-    want = eval_fit(deltas, "kamera-alloc", budget, "fp16")
-    ranks = [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in stored.layers]
-    assert ranks == [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in want.layers]
-    assert len(set(ranks)) > 1  # not one rank for all
-    assert stored.nbytes <= budget
+    assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", budget, "fp16"))
+    assert len(set(_ranks(stored))) > 1 and stored.nbytes <= budget
+    # A fixed rank with the allocator: the bytes of that rank in every layer, spread.
+    ranked = Window(km, budget_tokens=4096, rank=3, storage="fp16")
+    ranked.append(A)
+    b = ranked.append(B)
+    stored = next(iter(ranked._chunks[b].patches.values()))
+    tokens = int(deltas[0][0].shape[0])
+    rank3 = 3 * sum(kb.bytes_per_rank(tokens, dk[0].numel(), "fp16") + kb.bytes_per_rank(tokens, dv[0].numel(), "fp16")
+                    for dk, dv in deltas)
+    assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", rank3, "fp16")) and stored.nbytes <= rank3
+    assert _ranks(stored) != [(3, 3)] * len(deltas)
 
 
 def test_patch_settings_are_checked():
@@ -171,9 +186,28 @@ def test_patch_settings_are_checked():
                         ({"rank": None, "patch_bytes": 0.1}, "patch_bytes sets the ranks"),
                         ({"patch_bytes": 0}, "patch_bytes must be a fraction"),
                         ({"patch_bytes": 1.5}, "patch_bytes must be a fraction"),
-                        ({"rank": 4, "fit": "alloc"}, "fit='alloc' spreads a byte budget"),
+                        ({"fit": "ranks"}, "fit must be one of"),
                         ({"rank": "auto"}, "rank must be 'budget'"),
                         ({"storage": "int4"}, "storage must be one of")]:
         with pytest.raises(ValueError, match=match):
             Window(km, **args)
     assert Window(km, rank=None).storage == "fp32" and Window(km, rank=4).patch_bytes is None
+
+
+def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
+    """The committed evaluation results (`agentwin bench eval`) name the Kamera method chosen on
+    validation at a 6% byte cap in most groups; the window's defaults are that method."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    from agentwin.eval.selection import window_default
+    from agentwin.window_fit import DEFAULT_PATCH_BYTES
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    chosen = window_default([json.loads((results / f"eval_{n}.json").read_text()) for n in ("binding", "smollm2")])
+    name = chosen["method"].removeprefix("kamera-")
+    fit, storage = (name.removesuffix("-int8"), "int8") if name.endswith("-int8") else (name, "fp16")
+    defaults = {k: p.default for k, p in inspect.signature(Window.__init__).parameters.items()}
+    assert (defaults["rank"], defaults["fit"], defaults["storage"]) == ("budget", fit, storage), chosen
+    assert DEFAULT_PATCH_BYTES == 0.06

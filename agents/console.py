@@ -104,8 +104,6 @@ def make_window(km: Any, args: Any) -> Any:
     from agentwin.store import ChunkStore
 
     store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
-    if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
-        raise SystemExit(f"error: --patch-bytes sets the ranks itself; use it with --rank budget, not --rank {args.rank}")
     return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
                   patch_bytes=getattr(args, "patch_bytes", None))
 
@@ -130,6 +128,9 @@ def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: b
 
     if args.model is None:
         return refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
+    if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
+        rank = "exact" if args.rank is None else args.rank
+        return refuse(f"--patch-bytes sets the patch ranks itself; use it with --rank budget, not --rank {rank}")
     vlm, random_weights = model_kind(args.model)
     if random_weights and not args.allow_random_weights:
         return refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "

@@ -107,9 +107,10 @@ def _environment(kind: str, workdir: Path, km: Any) -> Iterator[Any]:
 
 
 def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int = 8, max_new_tokens: int = 48,
-                  workdir: str | os.PathLike | None = None) -> dict[str, Any]:
+                  workdir: str | os.PathLike | None = None, guard: bool = False) -> dict[str, Any]:
     """One run of agent `kind` with the model deciding; every step's time, forward time and
-    decoding figures (see the module docstring)."""
+    decoding figures (see the module docstring). The window has its default settings (`guard`:
+    with the patch guard on)."""
     from agents.loop import AgentLoop
     from agents.model import WindowDecider
     from agentwin import Window
@@ -131,7 +132,7 @@ def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int 
     task = QUESTION if kind == "doc" else "Find out who the lighthouse keeper of Velmora is."
     try:
         with tempfile.TemporaryDirectory() as tmp, _environment(kind, Path(workdir or tmp), km) as env:
-            window = Window(km, budget_tokens=budget_tokens)
+            window = Window(km, budget_tokens=budget_tokens, guard=guard)
             result = AgentLoop(env, window, WindowDecider(max_new_tokens), task, max_steps=max_steps,
                                on_step=on_step, keep_relevant=True).run()  # as `agentwin doc | web` run
     finally:
@@ -158,16 +159,16 @@ def _figures(decisions: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_steps(km: Any, agents: tuple[str, ...] = AGENTS, budget_tokens: int = 1024, max_steps: int = 8,
-              max_new_tokens: int = 48) -> dict[str, Any]:
+              max_new_tokens: int = 48, guard: bool = False) -> dict[str, Any]:
     """Every agent in `agents` measured once on `km`; pooled figures first, then per agent."""
     import torch
 
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    runs = [measure_agent(km, kind, budget_tokens, max_steps, max_new_tokens) for kind in agents]
+    runs = [measure_agent(km, kind, budget_tokens, max_steps, max_new_tokens, guard=guard) for kind in agents]
     pooled = _figures([s for run in runs for s in run["steps"] if s["step"] >= 1])
     return {**pooled, "model": str(getattr(km, "name", "?")), "budget_tokens": budget_tokens, "max_steps": max_steps,
-            "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "max_new_tokens": max_new_tokens, "guard": guard, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "wall_s": time.perf_counter() - t0, "agents": {run["agent"]: run for run in runs}}

@@ -36,7 +36,7 @@ import torch
 from kamera_core import patch as kp
 from kamera_core.metrics import kl_divergence
 from kamera_core.rope import RopeSpec
-from kamera_core.segment import Segment, segment_attention
+from kamera_core.segment import Segment, merge_states, segment_state
 
 # Probe rows: the chunk's last rows (they attend to all of it). 32 rows cost 4 attention calls
 # of 32 rows per layer.
@@ -131,11 +131,14 @@ def guard_patch(patch: kp.ChunkPatch, canonical: Sequence[tuple[torch.Tensor, to
             kept.append(lp)
             continue
         q, scale, window, softcap = recorded
-        before = list(antecedent[layer])
+        # The antecedent's part of the attention is the same for every option: computed once and
+        # merged with each option's chunk part by log-sum-exp.
+        states = [segment_state(q, query_index, seg, spec, scale, window, softcap) for seg in antecedent[layer]]
+        before = merge_states(states) if states else None
 
         def out(seg: Segment) -> torch.Tensor:
-            return segment_attention(q, query_index, [*before, seg], spec, scale, window=window,
-                                     softcap=softcap).double()
+            state = segment_state(q, query_index, seg, spec, scale, window, softcap)
+            return (state if before is None else merge_states([before, state]))[0].double()
 
         reference = out(Segment(xk, xv, first, 0))
         variants = {"none": None, "k": kp.LayerPatch(lp.k, None), "v": kp.LayerPatch(None, lp.v), "kv": lp}

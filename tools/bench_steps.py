@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", default="doc,web", help="comma-separated: doc, web (default both)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="most tokens per decision (default 48)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--guard", action="store_true", help="run the windows with the patch guard on (its cost)")
     parser.add_argument("--allow-random-weights", action="store_true", help="allow a tiny-* model (a check of the command)")
     parser.add_argument("--json", metavar="FILE", help="write the figures and every step to FILE")
     parser.add_argument("--md", metavar="FILE", help="write a short results page to FILE")
@@ -37,6 +38,7 @@ def _command(args: argparse.Namespace) -> str:
                                  ("--agents", args.agents, "doc,web"), ("--threads", args.threads, 2)):
         if value != default:
             parts.append(f"{flag} {value}")
+    parts += ["--guard"] if args.guard else []
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--md {args.md}"] if args.md else []
     return " ".join(parts)
@@ -45,7 +47,8 @@ def _command(args: argparse.Namespace) -> str:
 def page(figures: dict, command: str) -> str:
     """The results page of one run."""
     lines = [f"# Agent step time ({figures['model']})", "", f"Written by `{command}`.", "",
-             f"Window of {figures['budget_tokens']} tokens, up to {figures['max_steps']} decisions per agent, "
+             f"Window of {figures['budget_tokens']} tokens (default patch settings"
+             f"{', patch guard on' if figures.get('guard') else ''}), up to {figures['max_steps']} decisions per agent, "
              f"{figures['threads']} torch threads on {figures['cpus']} CPUs; load average "
              f"{figures['load_average_before'][0]:.2f} before, {figures['load_average_after'][0]:.2f} after. "
              "Step 0 (the first observation, and the browser's start) is left out.", "",
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"error: cannot load model {args.model!r}: {err}", file=sys.stderr)
         return 2
-    figures = run_steps(km, agents, args.budget_tokens, args.steps, args.max_new_tokens)
+    figures = run_steps(km, agents, args.budget_tokens, args.steps, args.max_new_tokens, guard=args.guard)
     figures["command"] = _command(args)
     print(f"step time, median: {figures['step_s_median']:.2f} s ({figures['forward_s_median']:.2f} s in the model's "
           f"forwards); overhead share {figures['overhead_share']:.3f}; tokens after the action closed: "

@@ -141,3 +141,13 @@ def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_patch_options_are_checked_before_a_model_is_loaded(tmp_path, capsys, no_model_load):
+    pdf = write_text_pdf(tmp_path / "a.pdf", ["x"])
+    code = cli.main(["doc", str(pdf), "--question", "q", "--rank", "8", "--patch-bytes", "0.1", "--quiet"])
+    assert code == 2 and "use it with --rank budget, not --rank 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["doc", str(pdf), "--question", "q", "--patch-bytes", "2", "--quiet"])
+    assert "expected a fraction in (0, 1]" in capsys.readouterr().err
+    assert agents_cli.rank_arg("budget") == "budget" and agents_cli.rank_arg("exact") is None

@@ -8,13 +8,14 @@ from tools import cli
 def test_bench_steps_writes_its_figures_and_page(tmp_path, capsys):
     out, md = tmp_path / "steps.json", tmp_path / "STEPS.md"
     code = cli.main(["bench", "steps", "--model", "tiny-llama-gqa", "--allow-random-weights", "--agents", "doc",
-                     "--steps", "2", "--threads", "1", "--budget-tokens", "600", "--json", str(out), "--md", str(md)])
+                     "--steps", "2", "--threads", "1", "--budget-tokens", "600", "--guard", "--json", str(out), "--md", str(md)])
     assert code == 0
     f = json.loads(out.read_text())
     for key in ("step_s_median", "overhead_share", "tokens_after_action_close", "load_average_before",
                 "load_average_after", "threads", "forward_s_median", "decisions"):
         assert key in f, key
     assert f["threads"] == 1 and f["decisions"] == 2 and f["budget_tokens"] == 600
+    assert f["guard"] is True and "--guard" in f["command"] and "patch guard on" in md.read_text()
     doc = f["agents"]["doc"]
     decisions = [s for s in doc["steps"] if s["step"] >= 1]
     assert len(decisions) == 2 and all(s["forward_s"] > 0 and s["step_s"] >= s["forward_s"] for s in decisions)

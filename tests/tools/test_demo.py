@@ -70,6 +70,6 @@ def test_agentwin_demo_navigates_recalls_exactly_and_reports(smollm2, tmp_path, 
 def test_demo_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--rank", "zero"])
-    assert "--rank must be a positive integer or 'exact'" in capsys.readouterr().err
+    assert "--rank must be 'budget', a positive integer or 'exact'" in capsys.readouterr().err
     assert cli.main(["demo", "--new-tokens", "0"]) == 2
     assert "--new-tokens must be positive" in capsys.readouterr().err

@@ -121,7 +121,7 @@ class OrbitPolicy(PatchPolicy):
         if window.rank is None or chunk.orbit is None:
             return super().unseen(window, chunk, antecedent_ids)
         held = window._hold(chunk)
-        patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held, uniform=True), window.storage)
+        patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held), window.storage)
         if fitted:
             window._stats.patch_bytes += patch.nbytes
         if window._keys(antecedent_ids) not in chunk.orbit.seen:

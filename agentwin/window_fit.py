@@ -114,22 +114,41 @@ def budget_bytes(fraction: float, held: Any) -> int:
     return int(fraction * sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in held))
 
 
-def layer_ranks(window: Any, deltas: list, held: Any, uniform: bool = False) -> list[tuple[int, int]]:
-    """Per layer (K rank, V rank): the window's rank in every layer, or its bytes (those of the
-    byte budget, or of that rank in every layer) spread by the allocator for fit="alloc" unless
-    `uniform`."""
-    alloc = window.fit == "alloc" and not uniform
-    if window.rank != BUDGET and not alloc:
-        return [(window.rank, window.rank)] * len(deltas)
-    tokens = int(deltas[0][0].shape[0])
-    features = [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas]
+def _bytes(window: Any, tokens: int, features: list[tuple[int, int]], held: Any) -> int:
+    """The patch's bytes: the byte budget, or those of the window's rank in every layer."""
     if window.rank == BUDGET:
-        budget = budget_bytes(window.patch_bytes, held)
-    else:
-        budget = window.rank * sum(kb.bytes_per_rank(tokens, fk, window.storage) + kb.bytes_per_rank(tokens, fv, window.storage)
-                                   for fk, fv in features)
-    gains = [(kp.gains(dk), kp.gains(dv)) for dk, dv in deltas] if alloc else None
-    return kb.budget_ranks(tokens, features, budget, window.storage, gains)
+        return budget_bytes(window.patch_bytes, held)
+    return window.rank * sum(kb.bytes_per_rank(tokens, fk, window.storage) + kb.bytes_per_rank(tokens, fv, window.storage)
+                             for fk, fv in features)
+
+
+def _shape(deltas: list) -> tuple[int, list[tuple[int, int]]]:
+    return int(deltas[0][0].shape[0]), [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas]
+
+
+def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
+    """Per layer (K rank, V rank) with one rank everywhere: the window's rank, or the largest
+    whose patch fits its byte budget."""
+    if window.rank != BUDGET:
+        return [(window.rank, window.rank)] * len(deltas)
+    tokens, features = _shape(deltas)
+    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage)
+
+
+def alloc_patch(window: Any, deltas: list, held: Any) -> kp.ChunkPatch:
+    """fit="alloc": one decomposition per layer's K and V deficit (`kamera_core.patch.fit_with_gains`),
+    the bytes spread by the allocator on the singular values (`kamera_core.budget.budget_ranks`),
+    each block's factors truncated to its rank and stored as `window.storage`."""
+    tokens, features = _shape(deltas)
+    full = [(kp.fit_with_gains(dk), kp.fit_with_gains(dv)) for dk, dv in deltas]
+    gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
+    ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
+
+    def cut(f: kp.Factors, r: int) -> kp.Factors | None:
+        return kp.quantize(f.truncate(min(r, f.rank)), window.storage) if r else None
+
+    return kp.ChunkPatch(tuple(kp.LayerPatch(cut(fk, rk), cut(fv, rv))
+                               for ((fk, _, _), (fv, _, _)), (rk, rv) in zip(full, ranks)), "alloc")
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
@@ -145,12 +164,15 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
     if window.rank is None:
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
-        first = max(1, layer_ranks(window, deltas, held, uniform=True)[0][0])
+        first = max(1, layer_ranks(window, deltas, held)[0][0])
         patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
     else:
-        metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None
-        patch = kp.build_patch(deltas, layer_ranks(window, deltas, held), window.fit, metrics=metrics,
-                               storage=window.storage)
+        if window.fit == "alloc":
+            patch = alloc_patch(window, deltas, held)
+        else:
+            metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None
+            patch = kp.build_patch(deltas, layer_ranks(window, deltas, held), window.fit, metrics=metrics,
+                                   storage=window.storage)
         if probed is not None and window.guard:
             patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, held, patch, exact, start, *probed)
     stats.patch_bytes += patch.nbytes

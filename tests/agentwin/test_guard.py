@@ -83,12 +83,12 @@ def test_window_drops_a_patch_that_reads_worse_than_blind(monkeypatch):
     """A patch that hurts (here −2 × the deficit) is dropped whole, and the chunk then reads
     exactly as under blind reuse."""
     km = _km("tiny-llama-gqa")
-    real = kp.build_patch
+    real = kp.deficit
 
-    def harmful(deltas, ranks, method, *args, **kwargs):
-        return real([(-2 * dk, -2 * dv) for dk, dv in deltas], ranks, method, *args, **kwargs)
+    def harmful(*args, **kwargs):  # every fit (the default allocator included) fits −2 × the deficit
+        return [(-2 * dk, -2 * dv) for dk, dv in real(*args, **kwargs)]
 
-    monkeypatch.setattr(window_module.kp, "build_patch", harmful)
+    monkeypatch.setattr(window_module.kp, "deficit", harmful)
     logprobs = {}
     for name, args in (("guarded", {"rank": 4, "guard": True}), ("blind", {"patch": "none"})):
         win = Window(km, **args)

@@ -17,8 +17,8 @@ Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted
 for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "orbit", "fresh" (a
 conditioned pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
 canonical KV by default (`patch_bytes`), spread over layers, int8 factors (`agentwin.window_fit`
-has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the window then reproduces a
-re-prefill. `guard=True` keeps a low-rank patch only where it beats blind reuse on the chunk's
+has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
+window then reproduces a re-prefill. `guard=True` keeps a low-rank patch only where it beats blind reuse on the chunk's
 last rows; `max_kl=x` fits each text chunk's patch for a KL target on those rows instead
 (`agentwin.guard`).
 
@@ -68,10 +68,9 @@ class Window:
         default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
         None (exact); fit "alloc" (ranks spread over layers and K/V), "svd" or "query" (one rank
         everywhere; keys in the metric of the chunk's own queries); storage "int8", "fp16", "bf16"
-        or "fp32". guard: keep a patch only where it
-        beats blind reuse (`agentwin.guard`; not for exact patches or MLA). Off by default: on
-        SmolLM2's document agent it took the time outside the model's forwards from 8% to 24% of
-        a step. max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows
+        or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
+        exact patches or MLA). Off by default: on SmolLM2's document agent it took a step from 2.10 s
+        to 3.69 s (`agentwin bench steps --guard`). max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows
         (`agentwin.guard.fit_to_kl`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from argparse import ArgumentTypeError
 from typing import Any, Callable
 
 
@@ -175,3 +176,39 @@ def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: b
         print(stopped, file=sys.stderr)
         return 2
     return 0 if stopped == "answer" else 1
+
+
+# ---- command-line argument types (shared by `agentwin doc | web | video | batch | demo`) ----
+
+def rank_arg(text: str) -> int | str | None:
+    """`--rank`: `budget` (each chunk's patch within --patch-bytes of its KV bytes), a positive
+    int, or `exact` (full-rank float32 patches: the window equals a re-prefill)."""
+    if text.lower() in ("exact", "none", "full"):
+        return None
+    if text.lower() == "budget":
+        return "budget"
+    try:
+        return _positive(text)
+    except ArgumentTypeError:
+        raise ArgumentTypeError(f"--rank must be 'budget', a positive integer or 'exact', got {text!r}") from None
+
+
+def fraction_arg(text: str) -> float:
+    """`--patch-bytes`: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

@@ -20,8 +20,8 @@ import textwrap
 from types import SimpleNamespace
 from typing import Any
 
-from agents.console import (VLM_HINT, load_model, make_window, model_kind, refuse, run_agent,  # noqa: F401
-                            steps_table, write_json)
+from agents.console import (VLM_HINT, _positive, fraction_arg, load_model, make_window, model_kind,  # noqa: F401
+                            rank_arg, refuse, run_agent, steps_table, write_json)
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
               "a file that is not a PDF or a video, an unreachable start page, a model that cannot be "
@@ -31,40 +31,6 @@ MODELS = ("models: smollm2 (default for doc and web) is the embedded SmolLM2-135
           "path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (e.g. "
           "Qwen/Qwen2.5-VL-3B-Instruct). The built-in tiny-* models have random weights: they "
           "cannot read or answer and exist for tests (--allow-random-weights runs them anyway).")
-
-def rank_arg(text: str) -> int | str | None:
-    """`--rank`: `budget` (each chunk's patch within --patch-bytes of its KV bytes), a positive
-    int, or `exact` (full-rank float32 patches: the window equals a re-prefill)."""
-    if text.lower() in ("exact", "none", "full"):
-        return None
-    if text.lower() == "budget":
-        return "budget"
-    try:
-        return _positive(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"--rank must be 'budget', a positive integer or 'exact', got {text!r}") from None
-
-
-def fraction_arg(text: str) -> float:
-    """`--patch-bytes`: a fraction in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
 
 def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, budget: int, max_steps: int,
                          rank: str = "budget") -> None:

@@ -188,7 +188,7 @@ def rank_arg(text: str) -> int | str | None:
     if text.lower() == "budget":
         return "budget"
     try:
-        return _positive(text)
+        return positive_arg(text)
     except ArgumentTypeError:
         raise ArgumentTypeError(f"--rank must be 'budget', a positive integer or 'exact', got {text!r}") from None
 
@@ -204,7 +204,7 @@ def fraction_arg(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
+def positive_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -20,7 +20,7 @@ import textwrap
 from types import SimpleNamespace
 from typing import Any
 
-from agents.console import (VLM_HINT, _positive, fraction_arg, load_model, make_window, model_kind,  # noqa: F401
+from agents.console import (VLM_HINT, fraction_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
                             rank_arg, refuse, run_agent, steps_table, write_json)
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
@@ -39,7 +39,7 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
     what = (f"smollm2, a local path or a Hugging Face id (default {model})" if model else
             "a local path or Hugging Face id of a vision-language model (required)")
     group.add_argument("--model", default=model, help=f"{what}; see below")
-    group.add_argument("--budget-tokens", type=_positive, default=budget, help=f"window size in tokens (default {budget})")
+    group.add_argument("--budget-tokens", type=positive_arg, default=budget, help=f"window size in tokens (default {budget})")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
                        help=f"antecedent patches: 'budget' (each within --patch-bytes of the chunk's KV bytes), "
                             f"a rank, or 'exact' (default {rank})")
@@ -48,8 +48,8 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
     group.add_argument("--patch", choices=("origin", "fresh", "none"), default="origin",
                        help="patch policy: origin (fitted at append), fresh (a pass per new antecedent), none (blind)")
     group.add_argument("--store", metavar="DIR", help="keep canonical KV and patches on disk in DIR, shared across runs")
-    group.add_argument("--max-steps", type=_positive, default=max_steps, help=f"decisions before giving up (default {max_steps})")
-    group.add_argument("--max-new-tokens", type=_positive, default=48,
+    group.add_argument("--max-steps", type=positive_arg, default=max_steps, help=f"decisions before giving up (default {max_steps})")
+    group.add_argument("--max-new-tokens", type=positive_arg, default=48,
                        help="most tokens the model may write per decision; decoding stops earlier, where the "
                             "action closes (default 48)")
     group.add_argument("--json", metavar="FILE", help="write the summary and every step to FILE")
@@ -73,7 +73,7 @@ def _agent_arguments(parser: argparse.ArgumentParser, model: str | None, budget:
 def _doc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.pdf", help="the PDF to read")
     parser.add_argument("--question", required=True, help="what to find out from the document")
-    parser.add_argument("--max-chars", type=_positive, default=1500, help="page text shown per observation (default 1500)")
+    parser.add_argument("--max-chars", type=positive_arg, default=1500, help="page text shown per observation (default 1500)")
     _agent_arguments(parser, model="smollm2", budget=1024, max_steps=12)
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from tools.agents_cli import _positive, rank_arg
+from tools.agents_cli import positive_arg, rank_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tasks", metavar="TASKS.jsonl", help="the task file, one JSON object per line")
-    parser.add_argument("--workers", type=_positive, default=1, help="workers, one model each (default 1)")
+    parser.add_argument("--workers", type=positive_arg, default=1, help="workers, one model each (default 1)")
     parser.add_argument("--model", default="smollm2", help="smollm2, a tiny-* name, a local path or a hub name (default smollm2)")
     parser.add_argument("--store", metavar="DIR|URL", help="store shared by every worker: a directory or a redis:// URL "
                                                            "(default: a private RAM store per worker)")
@@ -22,12 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="keep the finished results already in --out and run the rest")
     parser.add_argument("--ray", metavar="ADDRESS", help="run the workers as Ray actors: 'local' starts a local Ray "
                                                          "with --workers CPUs, 'auto' or HOST:PORT joins a cluster")
-    parser.add_argument("--threads", type=_positive, help="torch threads per worker (default: CPUs / workers)")
+    parser.add_argument("--threads", type=positive_arg, help="torch threads per worker (default: CPUs / workers)")
     parser.add_argument("--retries", type=int, default=1, help="extra attempts for a failed task (default 1)")
     group = parser.add_argument_group("window defaults (a task's own fields win)")
-    group.add_argument("--budget-tokens", type=_positive, help="window size in tokens (default: 1024 doc, 2048 web, 4096 video)")
-    group.add_argument("--max-steps", type=_positive, help="decisions before giving up (default: 12 doc and web, 16 video)")
-    group.add_argument("--max-new-tokens", type=_positive, default=48, help="tokens per decision (default 48)")
+    group.add_argument("--budget-tokens", type=positive_arg, help="window size in tokens (default: 1024 doc, 2048 web, 4096 video)")
+    group.add_argument("--max-steps", type=positive_arg, help="decisions before giving up (default: 12 doc and web, 16 video)")
+    group.add_argument("--max-new-tokens", type=positive_arg, default=48, help="tokens per decision (default 48)")
     group.add_argument("--rank", type=rank_arg, default=16, help="antecedent patch rank, or 'exact' (default 16)")
     group.add_argument("--patch", choices=("origin", "fresh", "none"), default="origin", help="patch policy (default origin)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -143,12 +143,7 @@ def alloc_patch(window: Any, deltas: list, held: Any) -> kp.ChunkPatch:
     full = [(kp.fit_with_gains(dk), kp.fit_with_gains(dv)) for dk, dv in deltas]
     gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
     ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
-
-    def cut(f: kp.Factors, r: int) -> kp.Factors | None:
-        return kp.quantize(f.truncate(min(r, f.rank)), window.storage) if r else None
-
-    return kp.ChunkPatch(tuple(kp.LayerPatch(cut(fk, rk), cut(fv, rv))
-                               for ((fk, _, _), (fv, _, _)), (rk, rv) in zip(full, ranks)), "alloc")
+    return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, "alloc", window.storage)
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:

@@ -445,3 +445,16 @@ def apply_patch(kv: Sequence[tuple[Tensor, Tensor]], patch: ChunkPatch) -> list[
         (add(k, lp.k, f"layer {i} k"), add(v, lp.v, f"layer {i} v"))
         for i, ((k, v), lp) in enumerate(zip(layers, patch.layers))
     ]
+
+
+def truncated_patch(full: Sequence[tuple[Factors, Factors]], ranks: Sequence[tuple[int, int]], method: str,
+                    storage: str = "fp16") -> ChunkPatch:
+    """A patch from full-rank factors ordered by gain (`fit_with_gains`): each layer's K and V
+    cut to its `(k rank, v rank)` (0: none) and stored as `storage`."""
+    if len(full) != len(ranks):
+        raise ValueError(f"ranks has {len(ranks)} entries for {len(full)} layers")
+
+    def cut(f: Factors, r: int) -> Factors | None:
+        return quantize(f.truncate(min(r, f.rank)), storage) if r else None
+
+    return ChunkPatch(tuple(LayerPatch(cut(fk, rk), cut(fv, rv)) for (fk, fv), (rk, rv) in zip(full, ranks)), method)

@@ -119,12 +119,7 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     alloc = fits.method in ("kamera-alloc", "kamera-orbit")
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
-
-    def one(f: kp.Factors, r: int) -> kp.Factors | None:
-        return kp.quantize(f.truncate(min(r, f.rank)), storage) if r else None
-
-    return kp.ChunkPatch(tuple(kp.LayerPatch(one(fk, rk), one(fv, rv))
-                               for (fk, fv), (rk, rv) in zip(fits.full, ranks)), fits.method)
+    return kp.truncated_patch(fits.full, ranks, fits.method, storage)
 
 
 def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, storage: str = "fp16",

@@ -17,9 +17,11 @@ logits. Two checks follow, both against blind reuse:
    patched option must beat blind by the relative `margin`, and a component is kept only if
    dropping it would raise the error by more than `margin` too. Each layer's choice therefore
    has an attention-output error on the probe rows at most blind's.
-2. end to end (`tail_kl`, run by the window for text chunks): the probe rows are forwarded once
-   after [antecedent, the chunk's earlier rows served blind] and once with the guarded patch;
-   their next-token KL against the pass's logits decides whether the patch is kept at all. A
+2. end to end (`tail_kl`, run by the window for text chunks): the probe rows are forwarded
+   after [antecedent, the chunk's earlier rows served blind] and after the same with the guarded
+   patch, both in one batched forward (the weights, which dominate a forward of a few rows, are
+   read once); their next-token KL against the pass's logits decides whether the patch is kept
+   at all. A
    per-layer gain does not always survive the layers above it (on SmolLM2, a rank-1 or rank-2
    patch of a code chunk lowered every layer's probe error yet raised the questions' KL over
    blind by 30%); this check is what catches it.
@@ -36,10 +38,10 @@ import torch
 from kamera_core import patch as kp
 from kamera_core.metrics import kl_divergence
 from kamera_core.rope import RopeSpec
-from kamera_core.segment import Segment, merge_states, segment_state
+from kamera_core.segment import Segment, merge_states, patch_option_states, segment_state
 
-# Probe rows: the chunk's last rows (they attend to all of it). 32 rows cost 4 attention calls
-# of 32 rows per layer.
+# Probe rows: the chunk's last rows (they attend to all of it). 16 rows were too few: on SmolLM2's
+# code case at 1.5% of the bytes they let through a patch that read worse than blind reuse.
 PROBE_ROWS = 32
 # A patched option must lower the probe error by this fraction of the error it is compared with
 # (per layer), and a whole patch its probe rows' next-token KL by this fraction of blind's.
@@ -136,18 +138,19 @@ def guard_patch(patch: kp.ChunkPatch, canonical: Sequence[tuple[torch.Tensor, to
         states = [segment_state(q, query_index, seg, spec, scale, window, softcap) for seg in antecedent[layer]]
         before = merge_states(states) if states else None
 
-        def out(seg: Segment) -> torch.Tensor:
-            state = segment_state(q, query_index, seg, spec, scale, window, softcap)
+        def merged(state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             return (state if before is None else merge_states([before, state]))[0].double()
 
-        reference = out(Segment(xk, xv, first, 0))
-        variants = {"none": None, "k": kp.LayerPatch(lp.k, None), "v": kp.LayerPatch(None, lp.v), "kv": lp}
+        reference = merged(segment_state(q, query_index, Segment(xk, xv, first, 0), spec, scale, window, softcap))
+        # Every option's chunk part from one set of scores per key-patch setting.
+        states = patch_option_states(q, query_index, Segment(ck, cv, first, start, lp), spec, scale, window, softcap,
+                                     OPTIONS)
         errors = {}
-        for name, variant in variants.items():
+        for name, state in zip(OPTIONS, states):
             if name != "none" and ((name in ("k", "kv") and lp.k is None) or (name in ("v", "kv") and lp.v is None)):
                 errors[name] = float("inf")  # that component is not there to keep
                 continue
-            errors[name] = float((out(Segment(ck, cv, first, start, variant)) - reference).square().sum())
+            errors[name] = float((merged(state) - reference).square().sum())
         choice = _choose(errors, margin)
         kept.append(kp.LayerPatch(lp.k if "k" in choice else None, lp.v if "v" in choice else None))
         report.append(GuardLayer(choice, errors))
@@ -167,22 +170,23 @@ def _head(lp: kp.LayerPatch | None, rows: int) -> kp.LayerPatch | None:
 
 
 def tail_kl(km: Any, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            patch: kp.ChunkPatch | None, antecedent: Sequence[Sequence[Segment]], probe: QueryProbe,
-            first: int, start: int) -> float | None:
-    """Mean next-token KL, over the probe rows (the chunk's last rows), of the pass's logits
-    against a forward of those rows read after [antecedent, the chunk's earlier rows served as
-    canonical KV + `patch` (None: blind)]: what the patch does to the chunk's own later reading,
-    end to end. One forward of the probe rows (text chunks, 1-D positions). None when the pass
-    kept no logits or no row comes before the probe rows."""
+            patches: Sequence[kp.ChunkPatch | None], antecedent: Sequence[Sequence[Segment]], probe: QueryProbe,
+            first: int, start: int) -> list[float] | None:
+    """Per candidate in `patches` (None: blind), the mean next-token KL over the probe rows (the
+    chunk's last rows) of the pass's logits against those rows read after [antecedent, the
+    chunk's earlier rows served as canonical KV + that patch]: what the patch does to the chunk's
+    own later reading, end to end. One batched forward of the probe rows for all candidates
+    (`KameraModel.forward_variants`: the weights are read once). Text chunks (1-D positions).
+    None when the pass kept no logits or no row comes before the probe rows."""
     tokens, n = int(ids.numel()), int(probe.rows.numel())
     head = tokens - n
     if probe.logits is None or head <= 0:
         return None
-    layers = [[*antecedent[i], Segment(k[:head], v[:head], first, start,
-                                       None if patch is None else _head(patch.layers[i], head))]
-              for i, (k, v) in enumerate(canonical)]
-    out = km.forward(ids[head:], start + head, km.cache(layers, first + head), logits_to_keep=n)
-    return kl_divergence(probe.logits, out.logits[0, -n:].float())
+    variants = [[[*antecedent[i], Segment(k[:head], v[:head], first, start,
+                                          None if patch is None else _head(patch.layers[i], head))]
+                 for i, (k, v) in enumerate(canonical)] for patch in patches]
+    logits = km.forward_variants(ids[head:], start + head, variants, first + head, logits_to_keep=n)
+    return [kl_divergence(probe.logits, row[-n:]) for row in logits]
 
 
 def guard_chunk(km: Any, stats: Any, kind: str, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -191,16 +195,14 @@ def guard_chunk(km: Any, stats: Any, kind: str, ids: torch.Tensor, canonical: Se
     """The window's guard of one fitted patch: per layer on the probe rows' attention outputs
     (`guard_patch`), then, for text chunks, as a whole on their next-token logits (`tail_kl`): a
     patch that does not beat blind reuse there by `MARGIN` is dropped whole. `stats` (the
-    window's `WindowStats`) counts the two probe forwards as "guard" and what was dropped."""
+    window's `WindowStats`) counts the probe forward (batch of two) as "guard" and what was dropped."""
     guarded, report = guard_patch(patch, canonical, exact, segments, probe, km.specs, first, start)
     stats.guarded(report)
     if kind != "text" or probe.logits is None or guarded.nbytes == 0 or probe.rows[0] == 0:
         return guarded  # nothing to check end to end
     t0 = time.perf_counter()
-    scores = []
-    for candidate in (None, guarded):
-        stats.count("guard", int(probe.rows.numel()))
-        scores.append(tail_kl(km, ids, canonical, candidate, segments, probe, first, start))
+    stats.count("guard", 2 * int(probe.rows.numel()))  # one forward, batch of two: blind and guarded
+    scores = tail_kl(km, ids, canonical, (None, guarded), segments, probe, first, start)
     stats.seconds["guard"] += time.perf_counter() - t0
     if scores[1] < (1 - MARGIN) * scores[0]:
         return guarded
@@ -226,12 +228,13 @@ def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[
     cap = max(min(d.shape[0], d[0].numel()) for pair in deltas for d in pair)
     empty = kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in deltas), "svd")
     stats.count("guard", int(probe.rows.numel()))
-    best_kl = tail_kl(km, ids, canonical, None, segments, probe, first, start)
+    best_kl = tail_kl(km, ids, canonical, (None,), segments, probe, first, start)
+    best_kl = None if best_kl is None else best_kl[0]
     best, best_rank, r = empty, 0, min(rank, cap)
     while best_kl is not None and best_kl > max_kl:
         patch = kp.build_patch(deltas, [(r, r)] * len(deltas), "svd", storage=storage)
         stats.count("guard", int(probe.rows.numel()))
-        kl = tail_kl(km, ids, canonical, patch, segments, probe, first, start)
+        kl = tail_kl(km, ids, canonical, (patch,), segments, probe, first, start)[0]
         if kl < best_kl:
             best, best_kl, best_rank = patch, kl, r
         if r >= cap:

@@ -139,6 +139,18 @@ def segment_state(query: Tensor, query_index: Tensor, seg: Segment, spec: RopeSp
     """One segment's partial attention: `(out [Tq, Hq, Dv], lse [Tq, Hq])` in the compute dtype
     (float32, float64 for float64 inputs). Rows that see no key of the segment get out 0 and
     lse −inf."""
+    return patch_option_states(query, query_index, seg, spec, scaling, window, softcap)[0]
+
+
+def patch_option_states(query: Tensor, query_index: Tensor, seg: Segment, spec: RopeSpec, scaling: float,
+                        window: int | None = None, softcap: float | None = None, options: Sequence[str] = ("kv",)
+                        ) -> list[tuple[Tensor, Tensor]]:
+    """`segment_state` of `seg` with parts of its patch left out, one state per option: "kv" the
+    whole patch, "k" the key patch only, "v" the value patch only, "none" no patch (a part the
+    segment has no patch for is simply absent). The scores and probabilities are computed once
+    per key-patch setting and shared, so the options cost about two states, not four."""
+    if any(o not in ("none", "k", "v", "kv") for o in options):
+        raise ValueError(f"options must be among 'none', 'k', 'v', 'kv', got {list(options)}")
     compute = _compute_dtype(query.dtype)
     num_q, num_heads, head_dim = query.shape
     num_kv = seg.keys.shape[1]
@@ -147,27 +159,37 @@ def segment_state(query: Tensor, query_index: Tensor, seg: Segment, spec: RopeSp
     if seg.shift:
         q = relocate_keys(q, spec, -seg.shift, backend="torch")  # (Tq, Hq, D) into the keys' frame
     q = q.reshape(num_q, num_kv, groups, head_dim)  # (Tq, Hkv, G, D): query head h reads KV head h // G
-    scores = torch.einsum("qkgd,tkd->kgqt", q, seg.keys.to(compute))  # (Hkv, G, Tq, T)
-    pk = seg.patch.k if seg.patch is not None else None
-    pv = seg.patch.v if seg.patch is not None else None
-    if pk is not None and pk.rank:
-        u, vt = pk.factors(compute)  # (T, m), (m, Hkv, D)
-        qv = torch.einsum("qkgd,mkd->kgqm", q, vt)  # (Hkv, G, Tq, m)
-        scores = scores + qv @ u.T
-    scores = scores * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    base = torch.einsum("qkgd,tkd->kgqt", q, seg.keys.to(compute))  # (Hkv, G, Tq, T)
+    pk = seg.patch.k if seg.patch is not None and seg.patch.k is not None and seg.patch.k.rank else None
+    pv = seg.patch.v if seg.patch is not None and seg.patch.v is not None and seg.patch.v.rank else None
     key_index = torch.arange(seg.first, seg.end, device=query.device)
-    scores = scores.masked_fill(~visible(query_index.to(query.device), key_index, window), -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G, Tq)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: 0
-    out = torch.einsum("kgqt,tkd->qkgd", probs, seg.values.to(compute))  # (Tq, Hkv, G, Dv)
-    if pv is not None and pv.rank:
-        u, vt = pv.factors(compute)  # (T, m), (m, Hkv, Dv)
-        out = out + torch.einsum("kgqm,mkd->qkgd", probs @ u, vt)
-    out = out.reshape(num_q, num_heads, -1)  # (Tq, Hq, Dv)
-    lse = lse.permute(2, 0, 1).reshape(num_q, num_heads)  # (Tq, Hq)
-    return out, lse
+    hidden = ~visible(query_index.to(query.device), key_index, window)
+    values = seg.values.to(compute)
+    read: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # key patch used -> (lse, probs, probs · V)
+
+    def reading(with_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if with_k not in read:
+            scores = base
+            if with_k and pk is not None:
+                u, vt = pk.factors(compute)  # (T, m), (m, Hkv, D)
+                scores = scores + torch.einsum("qkgd,mkd->kgqm", q, vt) @ u.T  # (Hkv, G, Tq, T)
+            scores = scores * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(hidden, -math.inf)
+            lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G, Tq)
+            probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: 0
+            read[with_k] = (lse, probs, torch.einsum("kgqt,tkd->qkgd", probs, values))  # (Tq, Hkv, G, Dv)
+        return read[with_k]
+
+    states = []
+    for option in options:
+        lse, probs, out = reading("k" in option)
+        if "v" in option and pv is not None:
+            u, vt = pv.factors(compute)  # (T, m), (m, Hkv, Dv)
+            out = out + torch.einsum("kgqm,mkd->qkgd", probs @ u, vt)
+        states.append((out.reshape(num_q, num_heads, -1), lse.permute(2, 0, 1).reshape(num_q, num_heads)))
+    return states
 
 
 def merge_states(states: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

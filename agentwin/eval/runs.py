@@ -30,8 +30,8 @@ class ForwardCounter:
     """Counts the forwards of `model` and the tokens they read, and the vision tower's runs.
 
     Use as a context manager (hooks are removed on exit); `snapshot()` returns the counts so far
-    and `since(snapshot)` the counts after one. Tokens are the sequence length of `input_ids` (or
-    of `inputs_embeds`) of each top-level forward."""
+    and `since(snapshot)` the counts after one. Tokens are the token rows each top-level forward
+    computes: batch × sequence length of `input_ids` (or of `inputs_embeds`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -46,9 +46,9 @@ class ForwardCounter:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-            n = 0 if ids is None else int(ids.shape[1])
+            n = 0 if ids is None else int(ids.shape[0]) * int(ids.shape[1])
         else:
-            n = int(ids.shape[-1])
+            n = int(ids.numel())
         self.forwards += 1
         self.tokens += n
 

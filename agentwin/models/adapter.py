@@ -219,6 +219,24 @@ class KameraModel:
             return self.model(input_ids=ids[None], position_ids=self._positions(chunk, start), cache=cache,
                               segment_cache=cache, use_cache=True, **kw)
 
+    def forward_variants(self, ids: torch.Tensor, start: int, variants: Sequence[Sequence[Sequence[Segment]]],
+                         first: int, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits `[B, n, vocab]` float32 of the text tokens `ids` placed at `start` (token index
+        `first`), read once after each of `variants` (B versions of the per-layer segments
+        before them): one batched forward, so the weights are read once for all B."""
+        chunk = as_chunk(ids)
+        if chunk.kind != "text":
+            raise ValueError("forward_variants takes text tokens")
+        cache = SegmentCache.variants(variants, first, self.specs, self.layout)
+        batch = len(variants)
+        kw: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        positions = self._positions(chunk, start)
+        with torch.no_grad():
+            out = self.model(input_ids=self.ids(chunk)[None].expand(batch, -1),
+                             position_ids=positions.expand(*positions.shape[:-2], batch, positions.shape[-1]),
+                             cache=cache, segment_cache=cache, use_cache=True, **kw)
+        return out.logits.float()
+
     def reference_inputs(self, parts: Sequence[ChunkInput]) -> dict[str, torch.Tensor]:
         """Keyword arguments of a plain re-prefill of `parts` (`input_ids` `[1, T]`, and for vision
         chunks `mm_token_type_ids`, pixels, grids), positions left to the model itself."""

@@ -66,10 +66,13 @@ class SegmentLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, segments: Sequence[Segment], first: int) -> None:
+    def __init__(self, segments: Sequence[Segment], first: int,
+                 variants: Sequence[Sequence[Segment]] | None = None) -> None:
         super().__init__()
         self.segments = tuple(segments)
         self.first = first
+        # Batched forwards (`SegmentCache.variants`): batch row b reads variants[b], its own tail.
+        self.variants = None if variants is None else tuple(tuple(v) for v in variants)
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.is_initialized = False
@@ -120,6 +123,9 @@ class SegmentCache(Cache):
     specs / layout: the model's RoPE specs and KV layout (the attention places segments with them).
     probe: None, or an `agentwin.guard.QueryProbe` in which every layer's attention records the
     post-RoPE queries of a few of the forward's rows (the patch guard's probe).
+    `SegmentCache.variants` builds a cache for a batched forward whose batch rows read different
+    segments (the same tokens after several versions of the KV before them, in one pass over the
+    weights).
     """
 
     def __init__(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, specs: Sequence[RopeSpec],
@@ -130,6 +136,22 @@ class SegmentCache(Cache):
         super().__init__(layers=[SegmentLayer(segs, first) for segs in segments_per_layer])
         self.specs, self.layout, self.first = tuple(specs), layout, first
         self.probe: Any = None  # an `agentwin.guard.QueryProbe` the attention fills, or None
+
+    @classmethod
+    def variants(cls, per_row: Sequence[Sequence[Sequence[Segment]]], first: int, specs: Sequence[RopeSpec],
+                 layout: KVLayout) -> "SegmentCache":
+        """A cache for a forward of batch `len(per_row)`: batch row b reads `per_row[b][i]` in
+        layer i (each row's segments must hold the same `first` tokens). Not for MLA."""
+        if not per_row:
+            raise ValueError("variants needs at least one batch row of segments")
+        if layout.family == "mla":
+            raise ValueError("batched segment variants are not supported for MLA models")
+        if any(len(row) != len(specs) for row in per_row):
+            raise ValueError(f"every batch row needs segments for each of the model's {len(specs)} layers")
+        cache = cls([()] * len(specs), first, specs, layout)
+        for i, layer in enumerate(cache.layers):
+            layer.variants = tuple(tuple(row[i]) for row in per_row)
+        return cache
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -200,6 +222,9 @@ def segment_attention_forward(module: Any, query: torch.Tensor, key: torch.Tenso
             raise ValueError("logit soft-capping is not supported by agentwin's attention; use a model without it")
         return _dense(module, query, key, value, attention_mask, dropout, scaling, None, sliding_window, **kwargs), None
     layer = segment_cache.layers[layer_idx]
+    if layer.variants is not None:
+        return _variant_attention(layer, segment_cache.specs[layer_idx], query, key, value, scaling, sliding_window,
+                                  softcap), None
     if query.shape[0] != 1:
         raise ValueError(f"segment attention reads one sequence at a time, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -219,6 +244,24 @@ def segment_attention_forward(module: Any, query: torch.Tensor, key: torch.Tenso
     query_index = torch.arange(end - q.shape[0], end, device=q.device)
     out = segment_attention(q, query_index, segments, spec, scale, window=sliding_window, softcap=softcap)
     return out[None], None  # (1, Tq, Hq, Dv)
+
+
+def _variant_attention(layer: SegmentLayer, spec: RopeSpec, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None
+                       ) -> torch.Tensor:
+    """Batch row b of `query` `[B, Hq, Tq, D]` over `layer.variants[b]` and its own tail:
+    `[B, Tq, Hq, Dv]`."""
+    if query.shape[0] != len(layer.variants):
+        raise ValueError(f"a forward of batch {query.shape[0]} over a cache of {len(layer.variants)} variants")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    end = layer.first + int(key.shape[2])
+    query_index = torch.arange(end - query.shape[2], end, device=query.device)
+    outs = []
+    for b, segments in enumerate(layer.variants):
+        tail = Segment(key[b].transpose(0, 1), value[b].transpose(0, 1), layer.first)
+        outs.append(segment_attention(query[b].transpose(0, 1), query_index, [*segments, tail], spec, scale,
+                                      window=window, softcap=softcap))
+    return torch.stack(outs)
 
 
 def patch_of(patch: Any, layer: int) -> LayerPatch | None:

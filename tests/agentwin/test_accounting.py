@@ -27,10 +27,12 @@ def _km(name: str) -> KameraModel:
 
 
 class ForwardLog:
-    """(token ids, first position) of every forward of the transformers model."""
+    """(token ids, first position) of every forward of the transformers model, and the token rows
+    each computed (batch × length: the patch guard's probe forward is a batch of two)."""
 
     def __init__(self, km: KameraModel) -> None:
         self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.rows: list[int] = []
         self._handle = km.model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs) -> None:
@@ -41,10 +43,11 @@ class ForwardLog:
         positions = kwargs.get("position_ids")
         first = 0 if positions is None else int(positions.reshape(-1)[0])
         self.calls.append((tuple(int(t) for t in ids[0]), first))
+        self.rows.append(int(ids.numel()))
 
     @property
     def tokens(self) -> int:
-        return sum(len(ids) for ids, _ in self.calls)
+        return sum(self.rows)
 
     def close(self) -> None:
         self._handle.remove()

@@ -198,3 +198,29 @@ def test_recall_writes_no_kv_bytes():
     stored = win.store.get(win._chunks[ids[1]].key)[0]
     seg = next(s for s in segments[0] if s.shift != 0)
     assert seg.keys.data_ptr() == stored["k.0"].data_ptr() and seg.values.data_ptr() == stored["v.0"].data_ptr()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gemma3"])
+def test_batched_variants_read_each_rows_own_segments(name):
+    """`KameraModel.forward_variants` (the patch guard's one forward for blind and patched): batch
+    row 0 reads the head's own KV and equals the eager twin's forward over head + tail; row 1 reads
+    the head with a patch added and equals a forward of batch 1 over that cache."""
+    km, twin = _pair(name)
+    ids = torch.randint(3, 240, (120,), generator=torch.Generator().manual_seed(4))
+    head, tail = ids[:100], ids[100:]
+    kv = km.encode(head)
+    g = torch.Generator().manual_seed(5)
+    patched = [kp.LayerPatch(kp.Factors(torch.randn(100, 2, generator=g), torch.randn(2, *k.shape[1:], generator=g)),
+                             None) for k, _ in kv]
+    exact = [[Segment(k, v, 0, 0)] for k, v in kv]
+    bent = [[Segment(k, v, 0, 0, p)] for (k, v), p in zip(kv, patched)]
+    logits = km.forward_variants(tail, 100, [exact, bent], 100, logits_to_keep=20)
+    assert logits.shape[:2] == (2, 20)
+    with torch.no_grad():
+        theirs = twin(input_ids=ids[None]).logits[0, -20:].float()
+        alone = km.forward(tail, 100, km.cache(bent, 100), logits_to_keep=20).logits[0].float()
+    assert float((logits[0] - theirs).abs().max()) <= TOL
+    assert float((logits[1] - alone).abs().max()) <= TOL
+    assert float((logits[1] - logits[0]).abs().max()) > 1e-2  # the rows did read different KV
+    with pytest.raises(ValueError, match="text tokens|at least one"):
+        km.forward_variants(tail, 100, [], 100)

@@ -12,8 +12,8 @@ import torch
 from kamera_core import patch as kp
 from kamera_core.relocate import relocate_keys
 from kamera_core.rope import RopeSpec
-from kamera_core.segment import (Segment, merge_states, segment_attention, segment_attention_flash,
-                                 segment_attention_reference, segment_state)
+from kamera_core.segment import (Segment, merge_states, patch_option_states, segment_attention,
+                                 segment_attention_flash, segment_attention_reference, segment_state)
 
 
 def _spec(head_dim: int, rotary_dim: int, pairing: str = "half") -> RopeSpec:
@@ -41,8 +41,9 @@ def _dense(query, query_index, segments, spec, scaling, window=None, softcap=Non
     keys, values, index = [], [], []
     for s in segments:
         k, v = s.keys.double(), s.values.double()
-        if s.patch is not None:
+        if s.patch is not None and s.patch.k is not None:
             k = k + s.patch.k.dense(torch.float64)
+        if s.patch is not None and s.patch.v is not None:
             v = v + s.patch.v.dense(torch.float64)
         keys.append(relocate_keys(k, spec, s.shift, backend="torch"))
         values.append(v)
@@ -113,3 +114,28 @@ def test_merge_keeps_rows_no_segment_sees():
     assert float((out - _dense(query, index, segs, spec, 0.25).float()).abs().max()) <= 1e-5
     with pytest.raises(ValueError, match="backend"):
         segment_attention(query, index, segs, spec, 0.25, backend="gpu")
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (9, None), (None, 5.0)])
+def test_patch_options_equal_attention_with_that_part_of_the_patch_placed_by_copy(window, softcap):
+    """`patch_option_states` shares scores between options; each option's state is attention over
+    the segment with only that part of its patch (none, keys, values, both) added by copy."""
+    g = torch.Generator().manual_seed(11)
+    (seg,), end = _segments(g, [19], 2, 16, [7], [3], torch.float64)
+    query = torch.randn(5, 4, 16, generator=g, dtype=torch.float64)
+    index = torch.arange(end - 5, end)
+    spec = _spec(16, 8)
+    options = ("none", "k", "v", "kv")
+    states = patch_option_states(query, index, seg, spec, 0.3, window, softcap, options)
+    parts = {"none": kp.LayerPatch(None, None), "k": kp.LayerPatch(seg.patch.k, None),
+             "v": kp.LayerPatch(None, seg.patch.v), "kv": seg.patch}
+    outs = []
+    for option, (out, lse) in zip(options, states):
+        placed = Segment(seg.keys, seg.values, seg.first, seg.shift, parts[option])
+        expected = _dense(query, index, [placed], spec, 0.3, window, softcap)
+        assert float((out - expected).abs().max()) <= 1e-10 * max(1.0, float(expected.abs().max())), option
+        assert torch.equal(lse, segment_state(query, index, placed, spec, 0.3, window, softcap)[1])
+        outs.append(out)
+    assert all(float((a - b).abs().max()) > 1e-3 for i, a in enumerate(outs) for b in outs[i + 1:])  # all differ
+    with pytest.raises(ValueError, match="options must be among"):
+        patch_option_states(query, index, seg, spec, 0.3, options=("q",))

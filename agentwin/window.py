@@ -18,9 +18,10 @@ for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "
 conditioned pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
 canonical KV by default (`patch_bytes`), spread over layers, int8 factors (`agentwin.window_fit`
 has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
-window then reproduces a re-prefill. `guard=True` keeps a low-rank patch only where it beats blind reuse on the chunk's
-last rows; `max_kl=x` fits each text chunk's patch for a KL target on those rows instead
-(`agentwin.guard`).
+window then reproduces a re-prefill. The patch guard keeps a low-rank patch only where it beats
+blind reuse on the chunk's last rows (`guard="auto"`, the default: on below a 6% byte budget and
+for rank=N windows); `max_kl=x` fits each text chunk's patch for a KL target on those rows
+instead (`agentwin.guard`).
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
@@ -59,7 +60,7 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
-                 evict: str = "fifo", guard: bool = False, max_kl: float | None = None, fit: str = "alloc",
+                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "alloc",
                  patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
@@ -69,8 +70,10 @@ class Window:
         None (exact); fit "alloc" (ranks spread over layers and K/V), "svd" or "query" (one rank
         everywhere; keys in the metric of the chunk's own queries); storage "int8", "fp16", "bf16"
         or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
-        exact patches or MLA). Off by default: on SmolLM2's document agent it took a step from 2.10 s
-        to 3.69 s (`agentwin bench steps --guard`). max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows
+        exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
+        alone was measured worse than blind reuse, and for rank=N windows; off at the default
+        budget, where it costs a document step about half again, `agentwin bench steps --guard`;
+        `agentwin.window_fit.GUARD_BELOW`). max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows
         (`agentwin.guard.fit_to_kl`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")

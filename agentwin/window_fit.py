@@ -16,7 +16,9 @@ settings (`PatchSettings`):
   others take the plain fit;
 - `storage`: the factors' form, "int8" (the default: per-rank scales, about half the bytes of
   fp16, so twice the rank for the budget), "fp16", "bf16" or "fp32";
-- then `guard=True` (`agentwin.guard.guard_chunk`) or `max_kl` (`agentwin.guard.fit_to_kl`).
+- then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
+  below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
+  (`agentwin.guard.fit_to_kl`).
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
 (`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
@@ -40,6 +42,14 @@ from kamera_core.relocate import relocate_keys
 FITS = ("svd", "query", "alloc")
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
+AUTO = "auto"
+# guard="auto" (the default) turns the patch guard on below this byte budget (and for rank=N
+# windows, whose share of the bytes depends on the chunk). Measured by `agentwin.eval.guard_study`
+# on SmolLM2's hard cases: the unguarded default fit read worse than blind reuse only at 1.5% (code:
+# 0.051 against 0.042); from 6% on it never did, the guard changed little there (code 0.0174
+# against 0.0175, table 0.0133 against 0.0125), and it costs a document step about half again
+# (`agentwin bench steps --guard`).
+GUARD_BELOW = DEFAULT_PATCH_BYTES
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,8 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
                              f"not with rank={rank!r}")
         if isinstance(patch_bytes, bool) or not isinstance(patch_bytes, (int, float)) or not 0 < patch_bytes <= 1:
             raise ValueError(f"patch_bytes must be a fraction of the canonical KV bytes in (0, 1], got {patch_bytes!r}")
-    if not isinstance(guard, bool):
-        raise TypeError(f"guard must be a bool, got {type(guard).__name__}")
+    if not isinstance(guard, bool) and guard != AUTO:
+        raise TypeError(f"guard must be True, False or {AUTO!r}, got {guard!r}")
     if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0):
         raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
     if fit not in FITS:
@@ -95,6 +105,8 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
         raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
     mla, exact = family == "mla", rank is None
     fraction = float(patch_bytes if patch_bytes is not None else DEFAULT_PATCH_BYTES) if rank == BUDGET else None
+    if guard == AUTO:
+        guard = fraction is None or fraction < GUARD_BELOW
     return PatchSettings(rank, fraction, "fp32" if exact else storage, guard and not exact and not mla,
                          None if exact or mla or max_kl is None else float(max_kl),
                          ("alloc" if fit == "alloc" else "svd") if mla else fit)

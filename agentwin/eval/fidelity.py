@@ -5,7 +5,8 @@ re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
 (`Window(patch="none")`) and the agentwin window with byte-limited patches. A byte budget is a
 fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
 origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: ranks
-spread over layers and K/V, int8 factors), "origin+guard" (the same with `guard=True`), "origin-svd"
+spread over layers and K/V, int8 factors, the patch guard on below 6%), "origin+guard" (the same
+with `guard=True` at every budget), "origin-svd"
 (the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
 (orbit patches, no extra orders, at that rank). For the rank-based fits `rank_for_budget` turns
 the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every
@@ -39,7 +40,7 @@ from kamera_core.budget import bytes_per_rank
 BUDGETS = (0.015, 0.03, 0.06, 0.12)
 HEADLINE = 0.06
 # name: (patch policy, guard, by bytes (the window's default fit) or else by rank (svd, fp16))
-FITS = {"origin": ("origin", False, True), "origin+guard": ("origin", True, True),
+FITS = {"origin": ("origin", "auto", True), "origin+guard": ("origin", True, True),
         "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False)}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
 DEFAULT_FITS = ("origin", "origin+guard", "origin-svd")
@@ -168,7 +169,7 @@ def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Seque
     default = grid.get(DEFAULT_FIT, {}).get(f"{HEADLINE:g}")
     for policy in guards:
         add(f"{policy}-b{HEADLINE:g}", lambda p=policy: AgentwinStrategy(km, f"{p}-b{HEADLINE:g}", p, "budget", budget,
-                                                                          patch_bytes=HEADLINE))
+                                                                          "auto", patch_bytes=HEADLINE))
     stale = stale_cases(runs, default, [f"{p}-b{HEADLINE:g}" for p in guards])
     return {"trace": trace.summary(), "revisits": trace.revisits, **sizing, "grid": grid, "default": default,
             "reference": row_of(reference, ref_timing, summarize(score(trace, reference, reference, km.tokenizer,

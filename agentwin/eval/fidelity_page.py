@@ -121,12 +121,12 @@ def render_page(result: dict[str, Any]) -> str:
               "model re-prefilling the same inputs (agent traces only)."), "",
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
-               "within the budget (ranks spread over layers and K/V, int8 factors), served after any "
-               "antecedent |"),
+               "within the budget (ranks spread over layers and K/V, int8 factors; the patch guard on below 6%), "
+               "served after any antecedent |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
-              ("| origin+guard | the same with `guard=True` (`agentwin.guard`: a patch component kept only where it "
-              "beats blind reuse on the chunk's last rows) |"),
+              ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "
+              "only where it beats blind reuse on the chunk's last rows) |"),
               "| orbit | `Window(patch=\"orbit\", rank=r, fit=\"svd\", storage=\"fp16\")`, no `fit_orbit` orders |",
               "| blind reuse | `Window(patch=\"none\")`: canonical KV re-rotated, no patch |"]
     unused = [f for f in FITS if f not in s["fits"]]

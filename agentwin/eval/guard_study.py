@@ -2,7 +2,8 @@
 window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
 keys fitted in the metric of the chunk's own queries (`fit="query"`), all these with fp16
 factors at one rank; the window's default fit within the same bytes (`Window(patch_bytes=...)`:
-ranks spread over layers and K/V, int8 factors), alone and guarded; then the window with the
+ranks spread over layers and K/V, int8 factors) without the guard, at the window's default
+(`guard="auto"`: on below 6%) and always guarded; then the window with the
 case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
@@ -81,8 +82,10 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
         entry: dict[str, Any] = {"budget": budget, "rank": rank}
         held = sum(x.numel() * x.element_size() for kv in window._chunks[b].canonical for x in kv)
         by_bytes = {"rank": "budget", "patch_bytes": budget * kv_bytes / held}  # the same bytes, as the window counts
-        for name, settings in (("svd", {"rank": rank, **FP16}), ("guard", {"rank": rank, "guard": True, **FP16}),
-                               ("query", {"rank": rank, **FP16, "fit": "query"}), ("window", by_bytes),
+        for name, settings in (("svd", {"rank": rank, "guard": False, **FP16}),
+                               ("guard", {"rank": rank, "guard": True, **FP16}),
+                               ("query", {"rank": rank, "guard": False, **FP16, "fit": "query"}),
+                               ("window-noguard", {**by_bytes, "guard": False}), ("window", by_bytes),
                                ("window+guard", {**by_bytes, "guard": True})):
             window, b = _served(km, case, **settings)
             kl = _kl(window, case, references)  # reads the stored patch back
@@ -91,11 +94,11 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
             entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                            "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
                            "checked": stats.guard_checked}
-        g, s, q, w, wg = (entry[n] for n in ("guard", "svd", "query", "window", "window+guard"))
+        g, s, q, wn, w, wg = (entry[n] for n in ("guard", "svd", "query", "window-noguard", "window", "window+guard"))
         log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
             f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})  "
-            f"query-metric KL {q['kl']:.4f}  window default KL {w['kl']:.4f} ({w['bytes_frac']:.2%}), "
-            f"guarded {wg['kl']:.4f}")
+            f"query-metric KL {q['kl']:.4f}  window fit unguarded KL {wn['kl']:.4f} ({wn['bytes_frac']:.2%}), "
+            f"default {w['kl']:.4f} (guard {'on' if w['checked'] else 'off'}), guarded {wg['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
     # the ladder starting at the smallest budget's rank.
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
     rows = [measure_case(km, CASES[name], bf16=bf16) for name in args.cases.split(",")]
     for row in rows:
-        for name in ("guard", "window", "window+guard"):
+        for name in ("guard", "window-noguard", "window", "window+guard"):
             worse = [e["budget"] for e in row["budgets"] if e[name]["kl"] > row["blind"]]
             quarter = [e["budget"] for e in row["budgets"] if e["budget"] <= 0.06 and e[name]["kl"] > 0.25 * row["blind"]]
             print(f"{row['case']} {name}: worse than blind at {worse or 'no budget'}; "

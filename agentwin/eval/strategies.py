@@ -406,12 +406,13 @@ class Streaming(Strategy):
 
 
 class AgentwinStrategy(Strategy):
-    """`agentwin.Window(km, budget_tokens, patch, rank, guard, **window_args)` over a private RAM store. The trace's
+    """`agentwin.Window(km, budget_tokens, patch, rank, guard, **window_args)` over a private RAM store (the patch
+    guard off unless `guard` says otherwise: True, or "auto" for the window's default). The trace's
     evictions are issued explicitly before each append or recall, so the window's own budget
     never has to evict (checked after every operation)."""
 
     def __init__(self, km: KameraModel, name: str, patch: str = "origin", rank: int | str | None = 16,
-                 budget_tokens: int = 8192, guard: bool = False, **window_args: Any) -> None:
+                 budget_tokens: int = 8192, guard: bool | str = False, **window_args: Any) -> None:
         super().__init__(km)
         from agentwin.window import Window
 

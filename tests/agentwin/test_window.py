@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+from agentwin.guard import PROBE_ROWS
 from agentwin.models.adapter import KameraModel
 from agentwin.window import ChunkId, Text, Window
 from tests.support import window_step
@@ -85,23 +86,27 @@ def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
     """Appending runs the chunk's prefill after the window (read in place) and serves that exact
     KV: even rank-2 patches then leave the window exact, and no chunk is relocated. The first
     chunk's canonical encode is its prefill; later chunks cost one encode and one in-context pass
-    (and, with the patch guard on, one forward of the chunk's last rows as a batch of two: blind and patched)."""
+    (and, with the patch guard on, as it is for rank=N windows, one forward of the chunk's last rows
+    as a batch of two: blind and patched)."""
     km = _km("tiny-llama-gqa")
-    win = Window(km, patch="origin", rank=2)
+    win = Window(km, patch="origin", rank=2, guard=False)
     for t in TEXTS[:3]:
         win.append(t)
     mine = win.next_token_logprobs(QUERY)
     s = win.stats()
     assert dict(s.forwards) == {"encode": 3, "in_context": 2, "query": 1}
-    guarded = Window(km, patch="origin", rank=2, guard=True)
-    for t in TEXTS[:3]:
-        guarded.append(t)
-    assert dict(guarded.stats().forwards) == {"encode": 3, "in_context": 2, "guard": 2}
+    guarded = Window(km, patch="origin", rank=2)
+    assert guarded.guard
+    ids = [guarded.append(t) for t in TEXTS[:3]]
+    g = guarded.stats()
+    assert dict(g.forwards) == {"encode": 3, "in_context": 2, "guard": 2}
+    probe_rows = [min(PROBE_ROWS, guarded.chunk_tokens(c) // 2) for c in ids[1:]]  # each later chunk's last rows
+    assert g.forward_tokens["guard"] == 2 * sum(probe_rows)  # blind and patched rows both computed
     assert s.relocations == 0 and s.relocated_tokens == 0 and s.conditioned_passes == 0
     assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
     # The same content again in a second window over the same store: canonical KV and the patch
     # for this very antecedent are stored, so appending runs no forward at all.
-    again = Window(km, patch="origin", rank=2, store=win.store)
+    again = Window(km, patch="origin", rank=2, guard=False, store=win.store)  # win's settings
     for t in TEXTS[:3]:
         again.append(t)
     again.next_token_logprobs(QUERY)

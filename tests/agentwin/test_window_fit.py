@@ -4,6 +4,7 @@ rank) and `fit="query"`, checked against the model's own forward."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
@@ -69,7 +70,7 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     from kamera_core import patch as kp
 
     km = _km(name)
-    win = Window(km, budget_tokens=4096, rank=3, storage="fp32", fit="query")
+    win = Window(km, budget_tokens=4096, rank=3, storage="fp32", fit="query", guard=False)  # the fit itself
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -128,12 +129,14 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
     `kamera-alloc-int8` (the default) or `kamera-query-int8` does at that budget
     (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
-    corrected KV."""
+    corrected KV. The patch guard then keeps each layer's key or value patch of that fit as
+    fitted or drops it, never changes it."""
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
     from kamera_core import patch as kp
 
     km = _km(name)
-    win = Window(km, budget_tokens=4096) if fit == "alloc" else Window(km, budget_tokens=4096, fit=fit)
+    args = {} if fit == "alloc" else {"fit": fit}
+    win = Window(km, budget_tokens=4096, **args)  # the default: no guard at 6%
     assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
     win.append(A)
     b = win.append(B)
@@ -149,6 +152,13 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
         assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
         assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+    checked = Window(km, budget_tokens=4096, guard=True, **args)
+    checked.append(A)
+    guarded = next(iter(checked._chunks[checked.append(B)].patches.values()))
+    assert checked.stats().guard_checked > 0
+    for mine, fitted in zip(guarded.layers, stored.layers):
+        for got, full in ((mine.k, fitted.k), (mine.v, fitted.v)):
+            assert got is None or (torch.equal(got.u, full.u) and torch.equal(got.vt, full.vt))
 
 
 def _ranks(patch) -> list[tuple[int, int]]:
@@ -160,7 +170,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     from kamera_core import budget as kb
 
     km = _km("tiny-llama-gqa")
-    win = Window(km, budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1)
+    win = Window(km, budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1, guard=False)
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -169,7 +179,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", budget, "fp16"))
     assert len(set(_ranks(stored))) > 1 and stored.nbytes <= budget
     # A fixed rank with the allocator: the bytes of that rank in every layer, spread.
-    ranked = Window(km, budget_tokens=4096, rank=3, storage="fp16")
+    ranked = Window(km, budget_tokens=4096, rank=3, storage="fp16", guard=False)
     ranked.append(A)
     b = ranked.append(B)
     stored = next(iter(ranked._chunks[b].patches.values()))

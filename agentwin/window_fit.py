@@ -47,8 +47,8 @@ AUTO = "auto"
 # windows, whose share of the bytes depends on the chunk). Measured by `agentwin.eval.guard_study`
 # on SmolLM2's hard cases: the unguarded default fit read worse than blind reuse only at 1.5% (code:
 # 0.051 against 0.042); from 6% on it never did, the guard changed little there (code 0.0174
-# against 0.0175, table 0.0133 against 0.0125), and it costs a document step about half again
-# (`agentwin bench steps --guard`).
+# against 0.0175, table 0.0133 against 0.0125), and it costs a document step 20-70% more
+# (`agentwin bench steps` with and without `--guard`, three runs each: 1.9-2.4 s against 2.3-3.2 s).
 GUARD_BELOW = DEFAULT_PATCH_BYTES
 
 

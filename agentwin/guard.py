@@ -19,12 +19,11 @@ logits. Two checks follow, both against blind reuse:
    has an attention-output error on the probe rows at most blind's.
 2. end to end (`tail_kl`, run by the window for text chunks): the probe rows are forwarded
    after [antecedent, the chunk's earlier rows served blind] and after the same with the guarded
-   patch, both in one batched forward (the weights, which dominate a forward of a few rows, are
-   read once); their next-token KL against the pass's logits decides whether the patch is kept
-   at all. A
-   per-layer gain does not always survive the layers above it (on SmolLM2, a rank-1 or rank-2
-   patch of a code chunk lowered every layer's probe error yet raised the questions' KL over
-   blind by 30%); this check is what catches it.
+   patch, both in one batched forward (one pass over the weights); their next-token KL against
+   the pass's logits decides whether the patch is kept at all. A per-layer gain does not always
+   survive the layers above it (on SmolLM2, a rank-1 or rank-2 patch of a code chunk lowered
+   every layer's probe error yet raised the questions' KL over blind by 30%); this check is what
+   catches it.
 """
 
 from __future__ import annotations

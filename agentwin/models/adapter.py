@@ -223,7 +223,7 @@ class KameraModel:
                          first: int, logits_to_keep: int = 0) -> torch.Tensor:
         """Logits `[B, n, vocab]` float32 of the text tokens `ids` placed at `start` (token index
         `first`), read once after each of `variants` (B versions of the per-layer segments
-        before them): one batched forward, so the weights are read once for all B."""
+        before them): one batched forward (one pass over the weights for all B). Not for MLA."""
         chunk = as_chunk(ids)
         if chunk.kind != "text":
             raise ValueError("forward_variants takes text tokens")

@@ -66,13 +66,12 @@ class SegmentLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, segments: Sequence[Segment], first: int,
-                 variants: Sequence[Sequence[Segment]] | None = None) -> None:
+    def __init__(self, segments: Sequence[Segment], first: int) -> None:
         super().__init__()
         self.segments = tuple(segments)
         self.first = first
-        # Batched forwards (`SegmentCache.variants`): batch row b reads variants[b], its own tail.
-        self.variants = None if variants is None else tuple(tuple(v) for v in variants)
+        # Batched forwards (`SegmentCache.variants`): batch row b reads variants[b], then its own tail.
+        self.variants: tuple[tuple[Segment, ...], ...] | None = None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.is_initialized = False

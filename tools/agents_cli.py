@@ -42,7 +42,7 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
     group.add_argument("--budget-tokens", type=positive_arg, default=budget, help=f"window size in tokens (default {budget})")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
                        help=f"antecedent patches: 'budget' (each within --patch-bytes of the chunk's KV bytes), "
-                            f"a rank, or 'exact' (default {rank})")
+                            f"a rank (checked by the patch guard), or 'exact' (default {rank})")
     group.add_argument("--patch-bytes", type=fraction_arg, default=None,
                        help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
     group.add_argument("--patch", choices=("origin", "fresh", "none"), default="origin",

@@ -8,8 +8,10 @@ One small object per policy behind one interface, chosen by `Window(patch=...)`:
 - `origin-neighbour` (`OriginNeighbour`): the origin patch only after the same last chunk as at
   its origin, else blind reuse; `origin-present` (`OriginPresent`): the origin patch only while
   every chunk before it at its origin is before it still, else blind reuse; `origin-either`
-  (`OriginEither`): the origin patch where either holds (stale-patch guards, measured by
-  `agentwin bench fidelity`).
+  (`OriginEither`): the origin patch where either holds; `origin-similar` (`OriginSimilar`): as
+  `origin-either`, and also after a new neighbour whose key summary is close to the one it had at
+  its origin (cosine of mean canonical keys at least `SIMILAR`, no forward). Stale-patch guards,
+  measured by `agentwin bench fidelity`.
 With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
 reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
 is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
@@ -29,6 +31,7 @@ from agentwin.models.kv import relocate_kv
 from agentwin.orbit import Orbit
 from agentwin.window_fit import layer_ranks
 from kamera_core import patch as kp
+from kamera_core.metrics import layer_cosine
 
 if TYPE_CHECKING:  # pragma: no cover
     from agentwin.window import Window
@@ -102,6 +105,44 @@ class OriginEither(PatchPolicy):
         return super().unseen(window, chunk, antecedent_ids)
 
 
+# The least key-summary cosine between a chunk's neighbour now and its neighbour at its origin for
+# `origin-similar` to serve the origin patch. Chosen on the validation traces of `agentwin bench
+# fidelity` (docs/results/FIDELITY.md): on SmolLM2 the pages of one document were measured at
+# 0.995 and a video's frames at 0.999, where the stale patch beat blind reuse; the hard cases'
+# code, story, table and log chunks against a weather note at 0.90-0.93, where it lost in 3 of 4.
+SIMILAR = 0.95
+
+
+class OriginSimilar(PatchPolicy):
+    """`origin-either`, and the origin patch also after a new neighbour whose key summary
+    (`Window.key_summary`: mean canonical keys per layer) is within cosine `threshold` of the
+    neighbour's at the chunk's origin: a patch fitted after one page still serves after the next
+    page, not after unrelated text. Blind reuse otherwise. No forward: the summaries are kept."""
+
+    name = "origin-similar"
+
+    def __init__(self, threshold: float = SIMILAR) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
+            raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+
+    def similarity(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> float:
+        """Cosine (`layer_cosine`) of the key summaries of the chunk's neighbour now and at its
+        origin; -1 when it had none."""
+        if chunk.neighbour is None or not antecedent_ids:
+            return -1.0
+        now = window._chunks[antecedent_ids[-1]].summary
+        return float(layer_cosine(now, chunk.neighbour[None])[0])
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        keys = window._keys(antecedent_ids)
+        if (window.rank is not None and chunk.origin and keys[-1:] != chunk.origin[-1:]
+                and not set(chunk.origin) <= set(keys)
+                and self.similarity(window, chunk, antecedent_ids) < self.threshold):
+            return None
+        return super().unseen(window, chunk, antecedent_ids)
+
+
 class Fresh(PatchPolicy):
     name = "fresh"
 
@@ -158,7 +199,7 @@ class OrbitPolicy(PatchPolicy):
 
 
 POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
-                                     OriginEither)}
+                                     OriginEither, OriginSimilar)}
 POLICIES = tuple(POLICY_TYPES)
 
 

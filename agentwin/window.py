@@ -14,8 +14,11 @@ first chunk of a window it is the in-context pass itself). A chunk whose canonic
 for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
-for antecedents never seen; "origin-neighbour" / "origin-present" limit that), "orbit", "fresh" (a
-conditioned pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
+for antecedents never seen; "origin-neighbour" / "origin-present" / "origin-either" limit that),
+"origin-similar" (the default: the origin patch while its antecedent is still before it, behind
+the same neighbour, or behind a neighbour whose key summary is close to that one's; blind reuse
+otherwise, where a stale patch was measured worse than none), "orbit", "fresh" (a conditioned
+pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
 canonical KV by default (`patch_bytes`), spread over layers, int8 factors (`agentwin.window_fit`
 has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
 window then reproduces a re-prefill. The patch guard keeps a low-rank patch only where it beats
@@ -58,7 +61,7 @@ EVICTION = ("fifo", "lru")
 class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
-    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin",
+    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-similar",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
                  evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "alloc",
                  patch_bytes: float | None = None) -> None:
@@ -143,6 +146,7 @@ class Window:
         if self._stats.num_forwards != forwards:
             chunk.served = (antecedent, start)  # computed here: not a reuse
         chunk.summary = key_summary(chunk.canonical)
+        chunk.neighbour = self._chunks[self._order[-1]].summary if self._order else None
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)

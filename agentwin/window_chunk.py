@@ -52,6 +52,7 @@ class ChunkRecord:
     origin: tuple[ChunkKey, ...]  # antecedent keys when appended
     slot: int  # index in the window when last present (recall's default place)
     summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
+    neighbour: torch.Tensor | None = None  # the summary of the chunk right before it at its origin
     # Held only while the chunk is in the window (dropped at evict):
     canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
     # (antecedent, start, KV computed there): served whenever the chunk is back at that placement

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-steps", type=positive_arg, help="decisions before giving up (default: 12 doc and web, 16 video)")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48, help="tokens per decision (default 48)")
     group.add_argument("--rank", type=rank_arg, default=16, help="antecedent patch rank (checked by the patch guard), or 'exact' (default 16)")
-    group.add_argument("--patch", choices=("origin", "fresh", "none"), default="origin", help="patch policy (default origin)")
+    group.add_argument("--patch", choices=("origin-similar", "origin", "fresh", "none"), default="origin-similar",
+                       help="patch policy (default origin-similar, as the window's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

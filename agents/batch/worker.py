@@ -34,7 +34,7 @@ class WorkerConfig:
     max_steps: int | None = None
     max_new_tokens: int = 48
     rank: int | None = 16
-    patch: str = "origin"
+    patch: str = "origin-similar"
 
 
 def open_task_store(location: str | None, model_fingerprint: str, tenant: str = "") -> Any:

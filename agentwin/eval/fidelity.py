@@ -12,12 +12,16 @@ with `guard=True` at every budget), "origin-svd"
 the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every
 layer's keys and values) fits it for every chunk of the trace.
 
-A decision is a stale case when the default fit served some chunk with a patch fitted after
-another antecedent than the one it has now (`WindowStats.stale_patches` grew while the window's
-KV was read for that decision). At each stale case KL(reference || agentwin) is set against
-KL(reference || blind reuse) at the same decision. Stale-patch guards (`agentwin.policies`, e.g.
-"origin-neighbour") are replayed at the headline budget and chosen on the validation traces (the
-doc trace and the hard-case traces); the other traces report the choice.
+A decision is a stale case when the `origin` fit (origin patches after any antecedent) served
+some chunk with a patch fitted after another antecedent than the one it has now
+(`WindowStats.stale_patches` grew while the window's KV was read for that decision). At each stale
+case KL(reference || agentwin) is set against KL(reference || blind reuse) at the same decision.
+Stale-patch guards (`agentwin.policies`, e.g. "origin-neighbour", or "origin-similar@0.95" for
+that policy at that threshold) are replayed at the headline budget and chosen on the validation
+traces (the doc trace and the hard-case traces); the other traces report the choice. The headline
+figures are those of the window's default policy (`window_policy`): the `origin` fit, or the
+guard run that is the default; `stale_worse_than_blind` counts its stale cases worse than blind
+reuse over every trace, agent and hard-case.
 
 The hard-case traces (`hard_case_trace`) put each of `agentwin.eval.hard_cases` after a filler
 chunk, then evict and recall around it so that its second chunk is read after antecedents it
@@ -45,7 +49,11 @@ FITS = {"origin": ("origin", "auto", True), "origin+guard": ("origin", True, Tru
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
 DEFAULT_FITS = ("origin", "origin+guard", "origin-svd")
 DEFAULT_FIT = "origin"
-STALE_GUARDS = ("origin-neighbour", "origin-present", "origin-either")
+# `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
+# window's default threshold is `agentwin.policies.SIMILAR`).
+SIMILAR_SWEEP = (0.9, 0.95, 0.98, 0.995)
+STALE_GUARDS = ("origin-neighbour", "origin-present", "origin-either",
+                *(f"origin-similar@{t:g}" for t in SIMILAR_SWEEP))
 AGENT_TRACES = ("doc", "web", "video")
 VALIDATION = ("doc",)  # plus every hard-case trace
 TARGET_POINTS = 0.05
@@ -168,14 +176,39 @@ def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Seque
             grid[fit][f"{b:g}"] = name
     default = grid.get(DEFAULT_FIT, {}).get(f"{HEADLINE:g}")
     for policy in guards:
-        add(f"{policy}-b{HEADLINE:g}", lambda p=policy: AgentwinStrategy(km, f"{p}-b{HEADLINE:g}", p, "budget", budget,
-                                                                          "auto", patch_bytes=HEADLINE))
+        add(f"{policy}-b{HEADLINE:g}", lambda g=policy: guard_strategy(km, g, budget))
     stale = stale_cases(runs, default, [f"{p}-b{HEADLINE:g}" for p in guards])
     return {"trace": trace.summary(), "revisits": trace.revisits, **sizing, "grid": grid, "default": default,
             "reference": row_of(reference, ref_timing, summarize(score(trace, reference, reference, km.tokenizer,
                                                                         greedy))),
             "strategies": {n: row_of(run, timing, summarize(rows)) for n, (run, timing, rows) in runs.items()},
             "per_decision": {n: rows for n, (_, _, rows) in runs.items()}, "stale": stale}
+
+
+def guard_strategy(km: Any, guard: str, budget_tokens: int) -> AgentwinStrategy:
+    """The window at its defaults and the headline budget under the stale-patch policy `guard`
+    ("origin-neighbour", ..., or "origin-similar@t" for that policy at threshold t)."""
+    policy, _, threshold = guard.partition("@")
+    try:
+        similar = float(threshold) if threshold else None
+    except ValueError:
+        raise ValueError(f"stale guard {guard!r}: the part after '@' must be a number") from None
+    return AgentwinStrategy(km, f"{guard}-b{HEADLINE:g}", policy, "budget", budget_tokens, "auto", similar,
+                            patch_bytes=HEADLINE)
+
+
+def window_policy() -> str:
+    """The stale-patch policy of `Window()` at its defaults, named as a candidate of the sweep:
+    the fit `origin` when it serves origin patches everywhere, else the guard run that is it."""
+    import inspect
+
+    from agentwin.policies import SIMILAR, OriginSimilar
+    from agentwin.window import Window
+
+    patch = inspect.signature(Window.__init__).parameters["patch"].default
+    if patch == "origin":
+        return DEFAULT_FIT
+    return f"{patch}@{SIMILAR:g}" if patch == OriginSimilar.name else patch
 
 
 def stale_cases(runs: dict[str, tuple[Any, dict, list]], default: str | None, guards: Sequence[str]) -> list[dict]:
@@ -242,6 +275,9 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     unknown = [f for f in fits if f not in FITS]
     if unknown:
         raise ValueError(f"unknown fits {unknown}; choose from {list(FITS)}")
+    window = window_policy()
+    if window != DEFAULT_FIT and window not in guards:
+        raise ValueError(f"the window's default stale-patch policy {window!r} must be among the guards")
     shapes = kv_shapes(km)
     bf16 = copy.deepcopy(km.model).to(torch.bfloat16).eval()
     out: dict[str, Any] = {"traces": {}}
@@ -255,19 +291,27 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     agent = [n for n in out["traces"] if not n.startswith("hard-")]
     hard = [n for n in out["traces"] if n.startswith("hard-")]
     entries = out["traces"]
-    head = pooled(entries, agent, lambda e: e["default"])
+    key = "kl" if window == DEFAULT_FIT else window  # the window default's KL in a stale case
+
+    def served(e: dict) -> str | None:  # the run of the window's default policy on a trace
+        return e["default"] if window == DEFAULT_FIT else f"{window}-b{HEADLINE:g}"
+
+    head = pooled(entries, agent, served)
     floor = pooled(entries, agent, lambda e: "reprefill-bf16")
     stale = [c for n in agent for c in entries[n]["stale"]]
-    s = stale_summary(stale)
-    out.update({"greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
+    hard_stale = [c for n in hard for c in entries[n]["stale"]]
+    s, every = stale_summary(stale, key), stale_summary(stale + hard_stale, key)
+    out.update({"window_policy": window, "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
                 "noise_floor_greedy16": floor.get("greedy16"), "noise_floor_kl": floor.get("kl_mean"),
-                "stale_worse_than_blind": s["worse_than_blind"], "stale_cases": s["stale_cases"],
+                "stale_worse_than_blind": every["worse_than_blind"], "stale_cases": every["stale_cases"],
                 "stale_cases_by_trace": {n: len(entries[n]["stale"]) for n in entries},
-                "stale_mean_ratio": s["mean_ratio"], "stale": s, "at_6pct": head, "noise_floor": floor,
+                "stale_mean_ratio": every["mean_ratio"], "stale_all": every, "stale": s,
+                "stale_unguarded": stale_summary(stale + hard_stale), "at_6pct": head, "noise_floor": floor,
+                "origin_at_6pct": pooled(entries, agent, lambda e: e["default"]),
                 "blind": pooled(entries, agent, lambda e: "blind"),
                 "ranks_at_6pct": {n: entries[n]["ranks"][f"{HEADLINE:g}"] for n in entries},
-                "hard_cases": {"stale": stale_summary([c for n in hard for c in entries[n]["stale"]]),
-                               "at_6pct": pooled(entries, hard, lambda e: e["default"]),
+                "hard_cases": {"stale": stale_summary(hard_stale, key),
+                               "at_6pct": pooled(entries, hard, served),
                                "blind": pooled(entries, hard, lambda e: "blind")} if hard else None})
     validation = [n for n in entries if n in VALIDATION or n.startswith("hard-")]
     out["stale_guard"] = choose_guard(entries, validation, [n for n in entries if n not in validation], guards)

@@ -48,20 +48,25 @@ def render_page(result: dict[str, Any]) -> str:
              f"{', '.join(s['guards']) or 'none'}; traces {', '.join(s['traces'])}; greedy {s['greedy']} tokens"
              f"{'; quick sizes' if s['quick'] else ''}."), "",
              "## Targets", "", t["statement"], "",
-             (f"- KL at ≤ {HEADLINE:.0%} bytes (`{DEFAULT_FIT}` fit, pooled over the agent traces' decisions): "
+             (f"The window's default: patch policy `{_window_default()}` (`{_policy(result)}` below), its defaults "
+              f"fit at ≤ {HEADLINE:.0%} bytes."), "",
+             (f"- KL at ≤ {HEADLINE:.0%} bytes (`{_policy(result)}`, pooled over the agent traces' decisions): "
              f"{_kl(result['kl_at_6pct'])} against the bf16 noise floor's {_kl(result['noise_floor_kl'])}: "
              f"**{_met(t['kl_met'])}**."),
              (f"- Greedy-16 agreement at ≤ {HEADLINE:.0%} bytes: {_rate(result['greedy16_at_6pct'])} against the "
              f"floor's {_rate(result['noise_floor_greedy16'])} (target: within {TARGET_POINTS * 100:.0f} points): "
              f"**{_met(t['greedy_met'])}**."),
-             (f"- Stale cases on the agent traces: {result['stale_cases']}; patched window further from the "
-             f"re-prefill than blind reuse in {result['stale_worse_than_blind']} of them (target 0): "
+             (f"- Stale cases on all traces (agent and hard-case): {result['stale_cases']}; the window further from "
+             f"the re-prefill than blind reuse in {result['stale_worse_than_blind']} of them (target 0): "
              f"**{_met(t['stale_met'])}**."),
              *_hard_line(result), "",
              f"**Targets {'met' if t['met'] else 'missed'}.**", "",
              "| pooled over the agent traces | decisions | KL mean | top-1 | greedy-16 | same action |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for label, row in ((f"agentwin `{DEFAULT_FIT}` at ≤ {HEADLINE:.0%} bytes", result["at_6pct"]),
+    rows = [(f"agentwin `{_policy(result)}` at ≤ {HEADLINE:.0%} bytes (the window's default)", result["at_6pct"])]
+    if _policy(result) != DEFAULT_FIT and result.get("origin_at_6pct"):
+        rows.append((f"agentwin `{DEFAULT_FIT}` (no stale-patch guard)", result["origin_at_6pct"]))
+    for label, row in (*rows,
                        ("blind reuse", result["blind"]), ("bf16 re-prefill (noise floor)", result["noise_floor"])):
         if row.get("decisions"):
             lines.append(f"| {label} | {row['decisions']} | {_kl(row['kl_mean'])} | {_pct(row['top1'])} | "
@@ -135,13 +140,25 @@ def render_page(result: dict[str, Any]) -> str:
     return "\n".join(lines + [""])
 
 
+def _policy(result: dict[str, Any]) -> str:
+    """The candidate name of the window's default stale-patch policy in this run."""
+    return result.get("window_policy", DEFAULT_FIT)
+
+
 def _hard_line(result: dict[str, Any]) -> list[str]:
     hard = (result.get("hard_cases") or {}).get("stale")
-    if not hard:
+    agent = result.get("stale")
+    if not hard or not agent:
         return []
-    return [(f"- Not in the figures above: the hard-case traces (built to read chunks after antecedents they were not "
-            f"fitted on) have {hard['stale_cases']} stale cases, {hard['worse_than_blind']} of them further from the "
-            "re-prefill than blind reuse.")]
+    lines = [(f"  - of which the agent traces {agent['stale_cases']} ({agent['worse_than_blind']} worse than blind), the "
+             f"hard-case traces (built to read chunks after antecedents they were not fitted on) "
+             f"{hard['stale_cases']} ({hard['worse_than_blind']} worse). The hard-case traces are validation traces "
+             "of the stale-patch guard (below): their count is not a held-out figure.")]
+    unguarded = result.get("stale_unguarded")
+    if unguarded and _policy(result) != DEFAULT_FIT:
+        lines.append(f"  - `{DEFAULT_FIT}` with no stale-patch guard: {unguarded['worse_than_blind']} of "
+                     f"{unguarded['stale_cases']} worse than blind.")
+    return lines
 
 
 def _lower(x: Any, y: Any) -> str:
@@ -154,19 +171,20 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
     st, guard = result["stale"], result["stale_guard"]
     hard = result.get("hard_cases") or {}
     lines = ["", "## Stale patches", "",
-             (f"A stale case is a decision where the `{DEFAULT_FIT}` fit at ≤ {HEADLINE:.0%} bytes served some "
-             "chunk with a patch fitted after another antecedent than the one it has now (evictions, recalls or "
-             "reorders before it), as `WindowStats.stale_patches` counts. At each one, KL of the patched window "
-             "is set against KL of blind reuse at the same decision."), "",
-             ("| traces | stale cases | patched worse than blind | mean KL ratio patched / blind | KL patched | "
+             (f"A stale case is a decision where the `{DEFAULT_FIT}` fit at ≤ {HEADLINE:.0%} bytes (no stale-patch "
+             "guard) served some chunk with a patch fitted after another antecedent than the one it has now "
+             "(evictions, recalls or reorders before it), as `WindowStats.stale_patches` counts. At each one, KL "
+             "of the window is set against KL of blind reuse at the same decision: below for the window's "
+             f"default (`{_policy(result)}`); per guard in the tables after it."), "",
+             ("| traces | stale cases | window worse than blind | mean KL ratio window / blind | KL window | "
              "KL blind |"), "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for label, x in (("agent traces", st), ("hard-case traces", hard.get("stale"))):
         if x:
             lines.append(f"| {label} | {x['stale_cases']} | {x['worse_than_blind']} | {_f(x['mean_ratio'])} | "
                          f"{_kl(x['kl_mean'])} | {_kl(x['kl_blind_mean'])} |")
     lines += ["", "Stale cases per trace: " + ", ".join(f"{n} {c}" for n, c in result["stale_cases_by_trace"].items())
-              + ".", "", "| trace | step | stale placements | KL patched | KL blind | "
-              + " | ".join(f"KL {g}" for g in result["settings"]["guards"]) + " | greedy-16 patched / blind |",
+              + ".", "", "| trace | step | stale placements | KL origin | KL blind | "
+              + " | ".join(f"KL {g}" for g in result["settings"]["guards"]) + " | greedy-16 origin / blind |",
               "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in result["settings"]["guards"])
               + " | --- |"]
     for name, e in result["traces"].items():
@@ -179,7 +197,10 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
               + f", each with the window's default fit at {HEADLINE:.0%} of the bytes. `origin-neighbour` serves the origin patch only when "
               "the chunk right before is the one that was right before it at its origin (the antecedents' last "
               "chunks agree), `origin-present` only while every chunk before it at its origin is before it still (in "
-              "any order), `origin-either` where either of the two holds; blind reuse otherwise. Chosen on the "
+              "any order), `origin-either` where either of the two holds, `origin-similar@t` as `origin-either` and "
+              "also behind a new neighbour whose key summary (mean canonical keys per layer) has cosine at least t "
+              "with that of its neighbour at its origin; blind reuse otherwise. Ties go to the earlier candidate "
+              "(thresholds from low to high: the one serving the patch more often). Chosen on the "
               "validation traces ("
               + ", ".join(guard["validation"]) + ") by the fewest stale cases worse than blind, then the lower mean "
               "KL there; reported on the test traces (" + (", ".join(guard["test"]) or "none") + ").", "",
@@ -200,5 +221,7 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
                          f"({_lower(test['kl_mean'], base['kl_mean'])}); all decisions: KL mean {_kl(row['kl_mean'])} "
                          f"against {_kl(result['kl_at_6pct'])} ({_lower(row['kl_mean'], result['kl_at_6pct'])}), "
                          f"greedy-16 {_pct(row['greedy16'])} against {_rate(result['greedy16_at_6pct'])}.")
-    lines.append(f"\nThe window's default policy in this run: `{_window_default()}`.")
+    lines.append(f"\nThe window's default policy in this run: `{_window_default()}` (`{_policy(result)}`): "
+                 + ("the one chosen on validation." if guard["chosen"] == _policy(result)
+                    else f"not the one chosen on validation (`{guard['chosen']}`)."))
     return lines

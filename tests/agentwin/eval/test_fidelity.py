@@ -9,6 +9,8 @@ import torch
 
 from agentwin.eval import fidelity as fid
 from agentwin.eval.fidelity_page import render_page
+from agentwin.eval.strategies import AgentwinStrategy
+from agentwin.policies import SIMILAR, OriginSimilar
 from agentwin.eval.trace import Trace
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Text, Window
@@ -97,6 +99,52 @@ def test_origin_either_drops_the_patch_only_when_both_tests_fail(km):
     assert win.stats().stale_patches == 2
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over layers of the cosine of two [layers, width] summaries (computed here, not by the window)."""
+    return float(sum(torch.dot(x, y) / (x.norm() * y.norm()) for x, y in zip(a.double(), b.double())) / a.shape[0])
+
+
+@pytest.mark.parametrize("threshold, served", [(-1.0, True), (1.0, False), (None, None)])
+def test_origin_similar_serves_the_patch_behind_a_new_neighbour_by_key_summary_cosine(km, threshold, served):
+    win, (a, b, c) = _window(km, "origin-similar")
+    if threshold is not None:
+        win._policy = OriginSimilar(threshold)
+    summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
+    cosine = _cosine(summary[a], summary[b])  # c's neighbour now (a) against at its origin (b)
+    if served is None:  # the default threshold: whichever side of it this pair falls
+        served = cosine >= SIMILAR
+    win.evict(b)  # [a, c]: c after (a), fitted after (a, b): b gone, a new neighbour
+    read = win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == int(served)
+    origin, (_a, b2, _c) = _window(km, "origin")
+    origin.evict(b2)
+    blind, (_a, b3, _c) = _window(km, "none")
+    blind.evict(b3)
+    same = origin if served else blind  # the origin patch, or blind reuse: nothing else
+    assert torch.allclose(read, same.next_token_logprobs(QUERY), atol=1e-5)
+
+
+def test_origin_similar_keeps_the_origin_patch_where_origin_either_does(km):
+    win, (a, _b, _c) = _window(km, "origin-similar")
+    win._policy = OriginSimilar(1.0)  # no new neighbour is close enough
+    win.evict(a)  # [b, c]: c behind b as at its origin
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 1
+    win.recall(a, at=1)  # [b, a, c]: a new neighbour, but its whole origin antecedent is before it
+    win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == 2
+
+
+def test_origin_similar_rejects_a_threshold_that_is_not_a_cosine(km):
+    for bad in (1.5, -2, "0.9", True):
+        with pytest.raises(ValueError, match="threshold must be a cosine"):
+            OriginSimilar(bad)
+    with pytest.raises(ValueError, match="similar= is a threshold of patch='origin-similar'"):
+        AgentwinStrategy(km, "x", "origin", similar=0.9)
+    with pytest.raises(ValueError, match="after '@' must be a number"):
+        fid.guard_strategy(km, "origin-similar@high", 4096)
+
+
 def test_ranks_from_budgets_match_the_bytes_the_window_spends(km):
     shapes = fid.kv_shapes(km)
     win, (_a, b, _c) = _window(km, "origin", rank=3, guard=False, **fid.RANK_FIT)
@@ -149,9 +197,15 @@ def test_results_fields_and_page_on_a_tiny_model(km):
         assert 0.0 <= result[key] <= 1.0
     for key in ("kl_at_6pct", "noise_floor_kl"):
         assert result[key] >= -1e-6
-    assert result["stale_cases"] == result["stale_cases_by_trace"]["doc"] == 1
-    assert 0 <= result["stale_worse_than_blind"] <= 1
-    assert result["stale_cases_by_trace"]["hard-code"] == 3  # the three states after the first
+    assert result["stale_cases_by_trace"] == {"doc": 1, "hard-code": 3}  # hard-code: the three states after the first
+    assert result["stale_cases"] == 4  # every trace's, agent and hard-case
+    window = result["window_policy"]
+    assert window == fid.window_policy() == "origin-similar@0.95"
+    cases = [c for e in result["traces"].values() for c in e["stale"]]
+    assert result["stale_worse_than_blind"] == sum(c["kl_guards"][window] > c["kl_blind"] for c in cases)
+    assert result["stale_unguarded"]["worse_than_blind"] == sum(c["kl"] > c["kl_blind"] for c in cases)
+    rows = result["traces"]["doc"]["per_decision"][f"{window}-b0.06"]
+    assert result["kl_at_6pct"] == pytest.approx(sum(r["kl"] for r in rows) / len(rows))  # the default's, not origin's
     assert result["stale_guard"]["validation"] == ["doc", "hard-code"] and result["stale_guard"]["chosen"]
     result.update({"command": "agentwin bench fidelity --quick", "model": "tiny", "threads": 1, "cpus": 2,
                    "loadavg_start": [0.0] * 3, "loadavg_end": [0.0] * 3, "wall_s_total": 1.0,
@@ -160,5 +214,6 @@ def test_results_fields_and_page_on_a_tiny_model(km):
                                 "traces": [t.name for t in traces]}})
     page = render_page(result)
     assert page.splitlines()[2].startswith("Written by `agentwin bench fidelity --quick`")
-    assert f"Stale cases on the agent traces: 1; patched window further from the re-prefill than blind reuse in " \
-           f"{result['stale_worse_than_blind']} of them" in page
+    assert f"Stale cases on all traces (agent and hard-case): 4; the window further from the re-prefill than blind " \
+           f"reuse in {result['stale_worse_than_blind']} of them" in page
+    assert "The window's default policy in this run: `origin-similar` (`origin-similar@0.95`)" in page

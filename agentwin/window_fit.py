@@ -49,7 +49,7 @@ AUTO = "auto"
 # window's patch_bytes is half of each): without the guard the window's fit read worse than blind
 # reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042); at this budget
 # (the study's 12%) and above it never did and the guard changed no case's KL, while it costs a
-# document step 20-70% more (`agentwin bench steps` with and without `--guard`, three runs each:
+# document step 20-70% more (`agentwin bench steps` with and without `--guard`, four runs each:
 # 1.9-2.4 s against 2.3-3.2 s).
 GUARD_BELOW = DEFAULT_PATCH_BYTES
 

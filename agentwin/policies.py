@@ -98,9 +98,13 @@ class OriginEither(PatchPolicy):
 
     name = "origin-either"
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+    def declines(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> bool:
+        """Whether the origin patch is withheld (blind reuse) after `antecedent_ids`."""
         keys = window._keys(antecedent_ids)
-        if window.rank is not None and chunk.origin and keys[-1:] != chunk.origin[-1:] and not set(chunk.origin) <= set(keys):
+        return bool(chunk.origin) and keys[-1:] != chunk.origin[-1:] and not set(chunk.origin) <= set(keys)
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
+        if window.rank is not None and self.declines(window, chunk, antecedent_ids):
             return None
         return super().unseen(window, chunk, antecedent_ids)
 
@@ -114,7 +118,7 @@ class OriginEither(PatchPolicy):
 SIMILAR = 0.95
 
 
-class OriginSimilar(PatchPolicy):
+class OriginSimilar(OriginEither):
     """`origin-either`, and the origin patch also after a new neighbour whose key summary
     (`Window.key_summary`: mean canonical keys per layer) is within cosine `threshold` of the
     neighbour's at the chunk's origin: a patch fitted after one page still serves after the next
@@ -135,13 +139,9 @@ class OriginSimilar(PatchPolicy):
         now = window._chunks[antecedent_ids[-1]].summary
         return float(layer_cosine(now, chunk.neighbour[None])[0])
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        keys = window._keys(antecedent_ids)
-        if (window.rank is not None and chunk.origin and keys[-1:] != chunk.origin[-1:]
-                and not set(chunk.origin) <= set(keys)
-                and self.similarity(window, chunk, antecedent_ids) < self.threshold):
-            return None
-        return super().unseen(window, chunk, antecedent_ids)
+    def declines(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> bool:
+        return (super().declines(window, chunk, antecedent_ids)
+                and self.similarity(window, chunk, antecedent_ids) < self.threshold)
 
 
 class Fresh(PatchPolicy):

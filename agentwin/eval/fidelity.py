@@ -197,15 +197,21 @@ def guard_strategy(km: Any, guard: str, budget_tokens: int) -> AgentwinStrategy:
                             patch_bytes=HEADLINE)
 
 
+def window_default_patch() -> str:
+    """`Window(patch=...)`'s default."""
+    import inspect
+
+    from agentwin.window import Window
+
+    return inspect.signature(Window.__init__).parameters["patch"].default
+
+
 def window_policy() -> str:
     """The stale-patch policy of `Window()` at its defaults, named as a candidate of the sweep:
     the fit `origin` when it serves origin patches everywhere, else the guard run that is it."""
-    import inspect
-
     from agentwin.policies import SIMILAR, OriginSimilar
-    from agentwin.window import Window
 
-    patch = inspect.signature(Window.__init__).parameters["patch"].default
+    patch = window_default_patch()
     if patch == "origin":
         return DEFAULT_FIT
     return f"{patch}@{SIMILAR:g}" if patch == OriginSimilar.name else patch

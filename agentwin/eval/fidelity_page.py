@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from agentwin.eval.fidelity import DEFAULT_FIT, FITS, HEADLINE, TARGET_POINTS
+from agentwin.eval.fidelity import DEFAULT_FIT, FITS, HEADLINE, TARGET_POINTS, window_default_patch
 from agentwin.eval.trace_bench import _f, _pct
 
 
@@ -19,12 +18,6 @@ def _kl(x: Any) -> str:
 
 def _rate(x: Any) -> str:
     return "n/a" if x is None else _pct(x)
-
-
-def _window_default() -> str:
-    from agentwin.window import Window
-
-    return inspect.signature(Window.__init__).parameters["patch"].default
 
 
 def _rank_cell(entry: dict[str, Any], budget: str) -> str:
@@ -48,7 +41,7 @@ def render_page(result: dict[str, Any]) -> str:
              f"{', '.join(s['guards']) or 'none'}; traces {', '.join(s['traces'])}; greedy {s['greedy']} tokens"
              f"{'; quick sizes' if s['quick'] else ''}."), "",
              "## Targets", "", t["statement"], "",
-             (f"The window's default: patch policy `{_window_default()}` (`{_policy(result)}` below), its defaults "
+             (f"The window's default: patch policy `{window_default_patch()}` (`{_policy(result)}` below), its defaults "
               f"fit at ≤ {HEADLINE:.0%} bytes."), "",
              (f"- KL at ≤ {HEADLINE:.0%} bytes (`{_policy(result)}`, pooled over the agent traces' decisions): "
              f"{_kl(result['kl_at_6pct'])} against the bf16 noise floor's {_kl(result['noise_floor_kl'])}: "
@@ -221,7 +214,7 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
                          f"({_lower(test['kl_mean'], base['kl_mean'])}); all decisions: KL mean {_kl(row['kl_mean'])} "
                          f"against {_kl(result['kl_at_6pct'])} ({_lower(row['kl_mean'], result['kl_at_6pct'])}), "
                          f"greedy-16 {_pct(row['greedy16'])} against {_rate(result['greedy16_at_6pct'])}.")
-    lines.append(f"\nThe window's default policy in this run: `{_window_default()}` (`{_policy(result)}`): "
+    lines.append(f"\nThe window's default policy in this run: `{window_default_patch()}` (`{_policy(result)}`): "
                  + ("the one chosen on validation." if guard["chosen"] == _policy(result)
                     else f"not the one chosen on validation (`{guard['chosen']}`)."))
     return lines

@@ -19,8 +19,10 @@ from kamera_core.patch import (
     fit_with_gains,
     gains,
     orbit_deficit,
+    output_metric,
     query_second_moment,
     quantize,
+    value_spread,
 )
 from kamera_core.relocate import (
     phases,
@@ -58,6 +60,8 @@ __all__ = [
     "fit_with_gains",
     "gains",
     "orbit_deficit",
+    "output_metric",
     "query_second_moment",
     "quantize",
+    "value_spread",
 ]

@@ -218,6 +218,36 @@ def query_second_moment(queries: Tensor, num_kv_heads: int) -> Tensor:
     return torch.einsum("tkgd,tkge->kde", grouped, grouped) / (tq * group)
 
 
+def output_metric(query_metric: Tensor, values: Tensor) -> Tensor:
+    """`[H, D, D]` float64: a K metric in which a key deficit's energy is, to first order, the
+    error it causes in the attention output, in the same unit as the value deficit's plain energy.
+
+    A key error Δk_j shifts the logit of token j by q·Δk_j/√D, which moves p_j by p_j·δs_j (less the
+    mean shift) and the output by about p_j·δs_j·(v_j − v̄); a value error moves it by p_j·Δv_j. So
+    per head h, E[(q·Δk)²]/D times the spread of the values, E||v − v̄||², is the key error in value
+    units: the queries' second moment Σ_h (`query_second_moment`) scaled by spread_h / D.
+
+    query_metric: `[H, D, D]` (one block per KV head); values: the chunk's `[T, H, Dv]` canonical
+    values (the spread is taken over its tokens).
+    """
+    m = check_tensor(query_metric, "query_metric").to(torch.float64)
+    v = check_tensor(values, "values").to(device=m.device, dtype=torch.float64)
+    if m.dim() != 3 or m.shape[1] != m.shape[2]:
+        raise ValueError(f"query_metric must be [H, D, D], got shape {tuple(m.shape)}")
+    if v.dim() != 3 or v.shape[1] != m.shape[0] or v.shape[0] == 0:
+        raise ValueError(f"values must be [T, H={m.shape[0]}, Dv] with T > 0, got shape {tuple(v.shape)}")
+    return m * (value_spread(v) / m.shape[-1])[:, None, None]
+
+
+def value_spread(values: Tensor) -> Tensor:
+    """`[H]` float64: per head, the mean over tokens of ||v_j − v̄||² for values `[T, H, Dv]`
+    (`output_metric`; summed over heads and tokens, a layer's normaliser in fit="output")."""
+    v = check_tensor(values, "values").to(torch.float64)
+    if v.dim() != 3 or v.shape[0] == 0:
+        raise ValueError(f"values must be [T, H, Dv] with T > 0, got shape {tuple(v.shape)}")
+    return (v - v.mean(dim=0)).square().sum(dim=-1).mean(dim=0)
+
+
 def attention_mass(weights: Tensor) -> Tensor:
     """`[Tk]` float64 mean mass each key token receives from attention probabilities
     `weights [Hq, Tq, Tk]` (mean over heads and query rows)."""

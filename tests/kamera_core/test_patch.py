@@ -369,3 +369,34 @@ def test_short_chunk_fit_matches_the_full_decomposition(method):
         got, ref = fit(delta, rank, m, rw), full.truncate(rank)
         assert got.rank == rank
         assert (got.dense() - ref.dense()).abs().max() < 1e-5 * delta.abs().max(), (method, rank)
+
+
+def test_output_metric_weighs_key_errors_by_what_they_do_to_the_attention_output():
+    """Where a head's values are all equal, no key error can move its attention output (the
+    weights still sum to one): the metric is zero there. Elsewhere it is the queries' second
+    moment scaled by the values' spread over D, so a head whose values spread twice as far
+    weighs its key errors twice as much."""
+    from kamera_core.patch import output_metric
+
+    gen = torch.Generator().manual_seed(3)
+    t, heads, dim = 12, 3, 8
+    q = torch.randn(20, heads, dim, generator=gen)
+    values = torch.randn(t, heads, 5, generator=gen)
+    values[:, 1] = torch.randn(5, generator=gen)  # head 1: one value for every token
+    values[:, 2] = 2 * values[:, 0]  # head 2: head 0's values, spread 4x (squared)
+    sigma = query_second_moment(q, heads)
+    m = output_metric(sigma, values)
+    assert m.shape == sigma.shape and m.dtype == torch.float64
+    assert float(m[1].abs().max()) == 0.0
+    spread0 = float((values[:, 0] - values[:, 0].mean(0)).square().sum(-1).mean())
+    assert torch.allclose(m[0], sigma[0] * spread0 / dim)
+    assert torch.allclose(m[2], sigma[2] * 4 * spread0 / dim)
+    # A key error in the zero-metric head changes that head's attention output by nothing.
+    k = torch.randn(t, dim, generator=gen)
+    dk = torch.randn(t, dim, generator=gen)
+    out = lambda keys: torch.softmax(q[:, 1] @ keys.T / dim ** 0.5, -1) @ values[:, 1]  # noqa: E731
+    assert torch.allclose(out(k), out(k + dk), atol=1e-6)
+    with pytest.raises(ValueError, match="values must be"):
+        output_metric(sigma, values[:, :2])
+    with pytest.raises(ValueError, match="query_metric must be"):
+        output_metric(sigma[0], values)

@@ -48,7 +48,7 @@ from agentwin.models.kv import LayerKV
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
-from agentwin.window_fit import BUDGET, fit_patch, patch_settings
+from agentwin.window_fit import BUDGET, QUERY_FITS, fit_patch, patch_settings
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp
@@ -63,15 +63,17 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-similar",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
-                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "alloc",
+                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "output",
                  patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
         is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
         Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
         default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
-        None (exact); fit "alloc" (ranks spread over layers and K/V), "svd" or "query" (one rank
-        everywhere; keys in the metric of the chunk's own queries); storage "int8", "fp16", "bf16"
+        None (exact); fit "output" (ranks spread over layers and K/V by the error each block
+        leaves in its layer's attention output, keys in the metric of the chunk's own queries;
+        the default), "alloc" (spread by each block's relative error), "svd" or "query" (one rank
+        everywhere); storage "int8", "fp16", "bf16"
         or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
         exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
         alone was measured worse than blind reuse, and for rank=N windows; off at the default
@@ -412,7 +414,7 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probe = QueryProbe.last_rows(int(chunk.ids.numel()), keep_all=self.fit == "query") if self.settings.probed else None
+        probe = QueryProbe.last_rows(int(chunk.ids.numel()), keep_all=self.fit in QUERY_FITS) if self.settings.probed else None
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0

@@ -6,10 +6,16 @@ settings (`PatchSettings`):
 - `rank="budget"` (the default): at most `patch_bytes` (default 6%) of the chunk's canonical KV
   bytes as the window holds them, every chunk alike; `rank=r`: the bytes of rank r in every
   layer's K and V;
-- `fit="alloc"` (the default): plain fits, the bytes spread over layers and K/V by the greedy
+- `fit="alloc"`: plain fits, the bytes spread over layers and K/V by the greedy
   allocator on each block's singular values normalised by its energy
   (`kamera_core.budget.budget_ranks`), so layers whose deficit is concentrated get the ranks;
 - `fit="svd"`: the same rank in every layer's K and V, plain truncated SVD (the Frobenius fit);
+- `fit="output"` (the default): the allocator on the first-order error each block's deficit leaves in its
+  layer's attention output (`kamera_core.patch.output_metric`): K in the metric of the queries
+  the pass computed for the chunk's rows (as `fit="query"`) scaled per head by the spread of the
+  chunk's values over D, V plainly, so K and V of a layer share one unit; each layer's gains
+  normalised by its values' spread (`kamera_core.patch.value_spread`), so the ranks go where a
+  layer's output moves most for its size. Text chunks only; others take `fit="alloc"`;
 - `fit="query"`: the same rank everywhere, K fitted in the metric of the second moment of the
   queries the pass computed for all of the chunk's rows, moved into the chunk-local frame, V
   plainly. Text chunks only (a vision chunk's multi-axis positions are not one rotation back);
@@ -22,10 +28,10 @@ settings (`PatchSettings`):
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
 (`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
-`eval_smollm2.json`): the allocator with int8 factors (`kamera-alloc-int8`) in 3 of the 5 groups
-(both binding conditions and the SmolLM2 recall trace; query-int8 won reorder, svd-int8 slide). A
-test holds the defaults to that choice. The ranks come from the same function the evaluation fits
-its Kamera methods with, so the window serves the fit that was measured.
+`eval_smollm2.json`): `kamera-output-int8` in 2 of the 5 groups (both binding conditions), each
+other fit in at most one (on SmolLM2, alloc-int8 won recall, query-int8 reorder, svd-int8 slide).
+A test holds the defaults to that choice. The ranks come from the same function the evaluation
+fits its Kamera methods with, so the window serves the fit that was measured.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, patch as kp
 from kamera_core.relocate import relocate_keys
 
-FITS = ("svd", "query", "alloc")
+FITS = ("svd", "query", "alloc", "output")
+QUERY_FITS = ("query", "output")  # fits that read the queries of the chunk's pass
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
@@ -81,7 +88,7 @@ class PatchSettings:
     @property
     def probed(self) -> bool:
         """Whether the chunk's pass records queries (and logits) for the fit."""
-        return self.rank is not None and (self.guard or self.max_kl is not None or self.fit == "query")
+        return self.rank is not None and (self.guard or self.max_kl is not None or self.fit in QUERY_FITS)
 
 
 def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard: Any, max_kl: Any,
@@ -111,7 +118,7 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
         guard = fraction is None or fraction < GUARD_BELOW
     return PatchSettings(rank, fraction, "fp32" if exact else storage, guard and not exact and not mla,
                          None if exact or mla or max_kl is None else float(max_kl),
-                         ("alloc" if fit == "alloc" else "svd") if mla else fit)
+                         ("alloc" if fit in ("alloc", "output") else "svd") if mla else fit)
 
 
 def query_metrics(km: Any, probe: Any, start: int) -> list[tuple[Any, None]]:
@@ -149,15 +156,30 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
     return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage)
 
 
-def alloc_patch(window: Any, deltas: list, held: Any) -> kp.ChunkPatch:
+def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None) -> kp.ChunkPatch:
     """fit="alloc": one decomposition per layer's K and V deficit (`kamera_core.patch.fit_with_gains`),
     the bytes spread by the allocator on the singular values (`kamera_core.budget.budget_ranks`),
-    each block's factors truncated to its rank and stored as `window.storage`."""
+    each block's gains normalised by its energy, its factors truncated to its rank and stored as
+    `window.storage`. With `metrics` (per layer the K output metric, fit="output"): K fitted in
+    it, so a layer's K and V gains share one unit (its attention output's error), and both are
+    normalised by the spread of the layer's canonical values (a relative error per layer)."""
     tokens, features = _shape(deltas)
-    full = [(kp.fit_with_gains(dk), kp.fit_with_gains(dv)) for dk, dv in deltas]
-    gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
+    ks = [None] * len(deltas) if metrics is None else metrics
+    full = [(kp.fit_with_gains(dk, mk), kp.fit_with_gains(dv)) for (dk, dv), mk in zip(deltas, ks)]
+    if metrics is None:
+        gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
+    else:
+        spread = [tokens * float(kp.value_spread(hv).sum()) for _, hv in held]
+        gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, spread)]
     ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
-    return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, "alloc", window.storage)
+    name = "alloc" if metrics is None else "output"
+    return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, name, window.storage)
+
+
+def output_metrics(km: Any, probe: Any, start: int, held: Any) -> list:
+    """Per layer the K metric of fit="output": the query metric (`query_metrics`) scaled per head
+    by the spread of the chunk's canonical values (`kamera_core.patch.output_metric`)."""
+    return [kp.output_metric(mk, hv) for (mk, _), (_, hv) in zip(query_metrics(km, probe, start), held)]
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
@@ -176,7 +198,9 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         first = max(1, layer_ranks(window, deltas, held)[0][0])
         patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
     else:
-        if window.fit == "alloc":
+        if window.fit == "output" and probed is not None and text:
+            patch = alloc_patch(window, deltas, held, output_metrics(km, probed[1], start, held))
+        elif window.fit in ("alloc", "output"):
             patch = alloc_patch(window, deltas, held)
         else:
             metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None

@@ -19,7 +19,7 @@ from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
 from kamera_core import budget as kb, kv_layout, patch as kp, rope_specs
 
-KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-orbit")
+KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output", "kamera-orbit")
 
 
 @dataclass
@@ -89,22 +89,32 @@ class PatchFits:
     tokens: int
 
 
-def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | None = None) -> PatchFits:
+def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | None = None,
+               values: Sequence[torch.Tensor] | None = None) -> PatchFits:
     """Decompose a chunk's deficit (a Conditioning, or plain per-layer deltas for orbit patches)
     for `method`: kamera-svd / kamera-alloc / kamera-orbit plain, kamera-query with K in the
-    query second-moment metric of the conditioned pass."""
+    query second-moment metric of the conditioned pass, kamera-output with K in that metric scaled
+    per head by the spread of the chunk's canonical `values` (per layer; `kp.output_metric`) and
+    both of a layer's blocks normalised by that layer's values' spread (the allocator then
+    compares relative errors of each layer's attention output, as the window's fit="output")."""
     deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
     if method not in KAMERA_METHODS:
         raise ValueError(f"unknown patch method {method!r}; choose one of {KAMERA_METHODS}")
     metrics = [(None, None)] * len(deltas)
-    if method == "kamera-query":
+    if method in ("kamera-query", "kamera-output"):
         if not isinstance(cond, Conditioning) or num_kv_heads is None:
-            raise ValueError("kamera-query needs the conditioned pass's queries and num_kv_heads")
+            raise ValueError(f"{method} needs the conditioned pass's queries and num_kv_heads")
         metrics = [(kp.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
+    if method == "kamera-output":
+        if values is None or len(values) != len(deltas):
+            raise ValueError("kamera-output needs the chunk's canonical values, one tensor per layer")
+        metrics = [(kp.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
     full, gains, energy = [], [], []
     for (dk, dv), (mk, mv) in zip(deltas, metrics):
         fk, gk, ek = kp.fit_with_gains(dk, mk)
         fv, gv, ev = kp.fit_with_gains(dv, mv)
+        if method == "kamera-output":  # one normaliser per layer: its values' spread
+            ek = ev = int(dk.shape[0]) * float(kp.value_spread(values[len(full)]).sum())
         full.append((fk, fv))
         gains.append((gk, gv))
         energy.append((ek, ev))
@@ -115,17 +125,18 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
 def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.ChunkPatch:
     """The patch of `fits` within `budget_bytes`: the largest uniform rank for K and V in every
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
-    on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit)."""
-    alloc = fits.method in ("kamera-alloc", "kamera-orbit")
+    on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit) or by
+    its layer's values' spread (kamera-output)."""
+    alloc = fits.method in ("kamera-alloc", "kamera-orbit", "kamera-output")
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
     return kp.truncated_patch(fits.full, ranks, fits.method, storage)
 
 
 def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, storage: str = "fp16",
-              num_kv_heads: int | None = None) -> kp.ChunkPatch:
+              num_kv_heads: int | None = None, values: Sequence[torch.Tensor] | None = None) -> kp.ChunkPatch:
     """A patch of at most `budget_bytes` for one chunk's deficit (see `patch_fits`, `patch_at`)."""
-    return patch_at(patch_fits(cond, method, num_kv_heads), budget_bytes, storage)
+    return patch_at(patch_fits(cond, method, num_kv_heads, values), budget_bytes, storage)
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch
 from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, metrics as mt, selection
 from agentwin.eval.datasets import make_case
 
-PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8")
+PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output",
+                 "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8")
 PAPER = {"cacheblend": 0.15, "epic": 16, "vlcache": 0.05}  # each anchor's published default
 SWEEPS = {"cacheblend": (0.05, 0.10, 0.15, 0.25, 0.40), "epic": (2, 4, 8, 16, 32, 64),
           "vlcache": (0.02, 0.05, 0.10, 0.20, 0.40)}
@@ -93,7 +94,8 @@ def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict
                 source = fits[("orbit-deltas", 0)][i]
             else:
                 source = conds[i]
-            fits[(method, i)] = ek.patch_fits(source, method, ctx.layout.num_kv_heads)
+            fits[(method, i)] = ek.patch_fits(source, method, ctx.layout.num_kv_heads,
+                                              [v for _, v in ctx.canonical[i]])
             fit_s[method] = fit_s.get(method, 0.0) + time.perf_counter() - t0
         return fits[(method, i)]
 

@@ -124,10 +124,10 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
-@pytest.mark.parametrize("fit", ["alloc", "query"])
+@pytest.mark.parametrize("fit", ["alloc", "query", "output"])
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
-    `kamera-alloc-int8` (the default) or `kamera-query-int8` does at that budget
+    `kamera-alloc-int8`, `kamera-query-int8` or `kamera-output-int8` does at that budget
     (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
     corrected KV. The patch guard then keeps each layer's key or value patch of that fit as
     fitted or drops it, never changes it."""
@@ -135,7 +135,7 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     from kamera_core import patch as kp
 
     km = _km(name)
-    args = {} if fit == "alloc" else {"fit": fit}
+    args = {} if fit == "output" else {"fit": fit}  # output: the default
     win = Window(km, budget_tokens=4096, **args)  # the default: no guard at 6%
     assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
     win.append(A)
@@ -145,9 +145,10 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     budget = int(0.06 * _kv_bytes(canonical))
     assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
     deltas, queries = _captured(km, win, b)
-    want = eval_fit(Conditioning(deltas, queries, 0.0), f"kamera-{fit}", budget, "int8", km.layout.num_kv_heads)
+    want = eval_fit(Conditioning(deltas, queries, 0.0), f"kamera-{fit}", budget, "int8", km.layout.num_kv_heads,
+                    [v for _, v in canonical])
     assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
-    if fit == "alloc":
+    if fit != "query":
         assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
     for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
         assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
@@ -179,7 +180,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", budget, "fp16"))
     assert len(set(_ranks(stored))) > 1 and stored.nbytes <= budget
     # A fixed rank with the allocator: the bytes of that rank in every layer, spread.
-    ranked = Window(km, budget_tokens=4096, rank=3, storage="fp16", guard=False)
+    ranked = Window(km, budget_tokens=4096, rank=3, fit="alloc", storage="fp16", guard=False)
     ranked.append(A)
     b = ranked.append(B)
     stored = next(iter(ranked._chunks[b].patches.values()))

@@ -53,9 +53,10 @@ AUTO = "auto"
 # guard="auto" (the default) turns the patch guard on below this byte budget (and for rank=N
 # windows, whose share of the bytes depends on the chunk). Measured by `agentwin.eval.guard_study`
 # on SmolLM2's four hard cases (its budgets are shares of B's KV at fp16: on the float32 model the
-# window's patch_bytes is half of each): without the guard the window's fit read worse than blind
-# reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042); at this budget
-# (the study's 12%) and above it never did and the guard changed no case's KL, while it costs a
+# window's patch_bytes is half of each): without the guard the allocator read worse than blind
+# reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042), the output
+# fit at no budget; at this budget (the study's 12%) and above neither did and the guard changed
+# no case's KL, while it costs a
 # document step 20-70% more (`agentwin bench steps` with and without `--guard`, four runs each:
 # 1.9-2.4 s against 2.3-3.2 s).
 GUARD_BELOW = DEFAULT_PATCH_BYTES

@@ -6,7 +6,9 @@ re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
 fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
 origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: ranks
 spread over layers and K/V, int8 factors, the patch guard on below 6%), "origin+guard" (the same
-with `guard=True` at every budget), "origin-svd"
+with `guard=True` at every budget), "origin-alloc" and "origin-output" (the defaults with
+`Window(fit="alloc")` or `fit="output"`: normalised per block, or by the attention outputs'
+error; one of them is the window's default fit), "origin-svd"
 (the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
 (orbit patches, no extra orders, at that rank). For the rank-based fits `rank_for_budget` turns
 the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every
@@ -45,9 +47,12 @@ BUDGETS = (0.015, 0.03, 0.06, 0.12)
 HEADLINE = 0.06
 # name: (patch policy, guard, by bytes (the window's default fit) or else by rank (svd, fp16))
 FITS = {"origin": ("origin", "auto", True), "origin+guard": ("origin", True, True),
-        "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False)}
+        "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False),
+        "origin-alloc": ("origin", "auto", True), "origin-output": ("origin", "auto", True)}
+# Window arguments of a by-bytes fit other than the window's default fit (`Window(fit=...)`).
+FIT_ARGS = {"origin-alloc": {"fit": "alloc"}, "origin-output": {"fit": "output"}}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
-DEFAULT_FITS = ("origin", "origin+guard", "origin-svd")
+DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-svd")
 DEFAULT_FIT = "origin"
 # `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
 # window's default threshold is `agentwin.policies.SIMILAR`).
@@ -163,8 +168,8 @@ def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Seque
             patch, guard, by_bytes = FITS[fit]
             if by_bytes:
                 name = f"{fit}-b{b:g}"
-                add(name, lambda p=patch, g=guard, b=b, n=name: AgentwinStrategy(km, n, p, "budget", budget, g,
-                                                                                patch_bytes=b))
+                add(name, lambda p=patch, g=guard, b=b, n=name, f=fit: AgentwinStrategy(
+                    km, n, p, "budget", budget, g, patch_bytes=b, **FIT_ARGS.get(f, {})))
             elif rank < 1:
                 continue
             else:
@@ -195,6 +200,15 @@ def guard_strategy(km: Any, guard: str, budget_tokens: int) -> AgentwinStrategy:
         raise ValueError(f"stale guard {guard!r}: the part after '@' must be a number") from None
     return AgentwinStrategy(km, f"{guard}-b{HEADLINE:g}", policy, "budget", budget_tokens, "auto", similar,
                             patch_bytes=HEADLINE)
+
+
+def window_default_fit() -> str:
+    """`Window(fit=...)`'s default."""
+    import inspect
+
+    from agentwin.window import Window
+
+    return inspect.signature(Window.__init__).parameters["fit"].default
 
 
 def window_default_patch() -> str:
@@ -289,8 +303,9 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     out: dict[str, Any] = {"traces": {}}
     for trace in traces:
         log(f"{trace.name}: {trace.decisions} decisions, {len(trace.chunks)} chunks, budget {trace.budget_tokens}")
-        if trace.name.startswith("hard-"):  # validation of the stale guard: the headline budget and fit only
-            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, [HEADLINE], [DEFAULT_FIT], guards, greedy,
+        if trace.name.startswith("hard-"):  # validation of the stale guard: the headline budget, by-bytes fits only
+            by_bytes = [f for f in fits if FITS[f][2] and FITS[f][1] != True]  # noqa: E712 (guard "auto" or False)
+            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, [HEADLINE], by_bytes, guards, greedy,
                                                   False, log)
         else:
             out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, budgets, fits, guards, greedy, True, log)
@@ -307,7 +322,7 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     stale = [c for n in agent for c in entries[n]["stale"]]
     hard_stale = [c for n in hard for c in entries[n]["stale"]]
     s, every = stale_summary(stale, key), stale_summary(stale + hard_stale, key)
-    out.update({"window_policy": window, "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
+    out.update({"window_policy": window, "window_fit": window_default_fit(), "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
                 "noise_floor_greedy16": floor.get("greedy16"), "noise_floor_kl": floor.get("kl_mean"),
                 "stale_worse_than_blind": every["worse_than_blind"], "stale_cases": every["stale_cases"],
                 "stale_cases_by_trace": {n: len(entries[n]["stale"]) for n in entries},

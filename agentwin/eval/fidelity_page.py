@@ -82,7 +82,7 @@ def render_page(result: dict[str, Any]) -> str:
     lines += ["", "## Fits × budgets × traces", "",
               ("KL mean (nats) / greedy-16 agreement against the float32 re-prefill at every decision of the trace; "
               "blind reuse and the noise floor for comparison. A budget too small for rank 1 has no rank-based entry. The "
-              f"hard-case traces (validation of the stale guard) run the `{DEFAULT_FIT}` fit at {HEADLINE:.0%} only "
+              f"hard-case traces (validation of the stale guard) run the by-bytes fits at {HEADLINE:.0%} only "
               "and have no noise floor."), "",
               "| trace | fit | " + " | ".join(f"{b:.1%}" for b in s["budgets"]) + " |",
               "| --- | --- | " + " | ".join("---" for _ in s["budgets"]) + " |"]
@@ -119,8 +119,13 @@ def render_page(result: dict[str, Any]) -> str:
               "model re-prefilling the same inputs (agent traces only)."), "",
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
-               "within the budget (ranks spread over layers and K/V, int8 factors; the patch guard on below 6%), "
+               f"within the budget (`fit=\"{result.get('window_fit', 'alloc')}\"`, int8 factors; the patch guard on below 6%), "
                "served after any antecedent |"),
+              ("| origin-alloc | the same with `fit=\"alloc\"`: ranks spread over layers and K/V by the allocator on "
+               "each block's gains normalised by its energy |"),
+              ("| origin-output | the same with `fit=\"output\"`: ranks spread by the first-order error each block "
+               "leaves in its layer's attention output (keys in the metric of the chunk's own queries scaled by "
+               "its values' spread), relative to that layer's values' spread |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
               ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "

@@ -414,7 +414,11 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probe = QueryProbe.last_rows(int(chunk.ids.numel()), keep_all=self.fit in QUERY_FITS) if self.settings.probed else None
+        probe = None
+        if self.settings.probed:  # the guard and max_kl score the last rows; a query-metric fit needs no rows
+            checked = self.guard or self.max_kl is not None
+            probe = QueryProbe.last_rows(int(chunk.ids.numel()), **({} if checked else {"count": 1}),
+                                         keep_all=self.fit in QUERY_FITS)
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0

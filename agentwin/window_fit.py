@@ -10,12 +10,13 @@ settings (`PatchSettings`):
   allocator on each block's singular values normalised by its energy
   (`kamera_core.budget.budget_ranks`), so layers whose deficit is concentrated get the ranks;
 - `fit="svd"`: the same rank in every layer's K and V, plain truncated SVD (the Frobenius fit);
-- `fit="output"` (the default): the allocator on the first-order error each block's deficit leaves in its
-  layer's attention output (`kamera_core.patch.output_metric`): K in the metric of the queries
-  the pass computed for the chunk's rows (as `fit="query"`) scaled per head by the spread of the
-  chunk's values over D, V plainly, so K and V of a layer share one unit; each layer's gains
-  normalised by its values' spread (`kamera_core.patch.value_spread`), so the ranks go where a
-  layer's output moves most for its size. Text chunks only; others take `fit="alloc"`;
+- `fit="output"` (the default): the allocator on the first-order error each block's deficit
+  leaves in its layer's attention output (`kamera_core.patch.output_metric`): K in the metric of
+  the queries the pass computed for the chunk's rows (as `fit="query"`) scaled per head by the
+  spread of the chunk's values over D, V plainly, so K and V of a layer share one unit; each
+  layer's gains normalised by its values' spread (`kamera_core.patch.value_spread`), so the ranks
+  go where a layer's output moves most for its size. Text chunks only; others (and MLA models)
+  take `fit="alloc"`;
 - `fit="query"`: the same rank everywhere, K fitted in the metric of the second moment of the
   queries the pass computed for all of the chunk's rows, moved into the chunk-local frame, V
   plainly. Text chunks only (a vision chunk's multi-axis positions are not one rotation back);

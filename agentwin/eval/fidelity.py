@@ -202,22 +202,18 @@ def guard_strategy(km: Any, guard: str, budget_tokens: int) -> AgentwinStrategy:
                             patch_bytes=HEADLINE)
 
 
-def window_default_fit() -> str:
-    """`Window(fit=...)`'s default."""
+def window_default(argument: str) -> Any:
+    """The default of `Window(argument=...)` ("patch", "fit", ...)."""
     import inspect
 
     from agentwin.window import Window
 
-    return inspect.signature(Window.__init__).parameters["fit"].default
+    return inspect.signature(Window.__init__).parameters[argument].default
 
 
 def window_default_patch() -> str:
     """`Window(patch=...)`'s default."""
-    import inspect
-
-    from agentwin.window import Window
-
-    return inspect.signature(Window.__init__).parameters["patch"].default
+    return window_default("patch")
 
 
 def window_policy() -> str:
@@ -304,7 +300,7 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     for trace in traces:
         log(f"{trace.name}: {trace.decisions} decisions, {len(trace.chunks)} chunks, budget {trace.budget_tokens}")
         if trace.name.startswith("hard-"):  # validation of the stale guard: the headline budget, by-bytes fits only
-            by_bytes = [f for f in fits if FITS[f][2] and FITS[f][1] != True]  # noqa: E712 (guard "auto" or False)
+            by_bytes = [f for f in fits if FITS[f][2] and FITS[f][1] is not True]  # not the always-guarded run
             out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, [HEADLINE], by_bytes, guards, greedy,
                                                   False, log)
         else:
@@ -322,7 +318,8 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     stale = [c for n in agent for c in entries[n]["stale"]]
     hard_stale = [c for n in hard for c in entries[n]["stale"]]
     s, every = stale_summary(stale, key), stale_summary(stale + hard_stale, key)
-    out.update({"window_policy": window, "window_fit": window_default_fit(), "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
+    out.update({"window_policy": window, "window_fit": window_default("fit"),
+                "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
                 "noise_floor_greedy16": floor.get("greedy16"), "noise_floor_kl": floor.get("kl_mean"),
                 "stale_worse_than_blind": every["worse_than_blind"], "stale_cases": every["stale_cases"],
                 "stale_cases_by_trace": {n: len(entries[n]["stale"]) for n in entries},

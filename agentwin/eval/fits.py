@@ -110,11 +110,11 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
             raise ValueError("kamera-output needs the chunk's canonical values, one tensor per layer")
         metrics = [(kp.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
     full, gains, energy = [], [], []
-    for (dk, dv), (mk, mv) in zip(deltas, metrics):
+    for layer, ((dk, dv), (mk, mv)) in enumerate(zip(deltas, metrics)):
         fk, gk, ek = kp.fit_with_gains(dk, mk)
         fv, gv, ev = kp.fit_with_gains(dv, mv)
         if method == "kamera-output":  # one normaliser per layer: its values' spread
-            ek = ev = int(dk.shape[0]) * float(kp.value_spread(values[len(full)]).sum())
+            ek = ev = int(dk.shape[0]) * float(kp.value_spread(values[layer]).sum())
         full.append((fk, fv))
         gains.append((gk, gv))
         energy.append((ek, ev))

@@ -78,7 +78,9 @@ def render_page(result: dict[str, Any]) -> str:
               "| --- | --- | " + " | ".join("---:" for _ in s["budgets"]) + " |"]
     for name, e in result["traces"].items():
         cells = [_rank_cell(e, f"{b:g}") for b in s["budgets"]]
-        lines.append(f"| {name} | {min(e['chunk_tokens'])}–{max(e['chunk_tokens'])} | " + " | ".join(cells) + " |")
+        tokens = e["chunk_tokens"]
+        span = f"{min(tokens)}–{max(tokens)}" if tokens else "no chunk takes a patch"
+        lines.append(f"| {name} | {span} | " + " | ".join(cells) + " |")
     lines += ["", "## Fits × budgets × traces", "",
               ("KL mean (nats) / greedy-16 agreement against the float32 re-prefill at every decision of the trace; "
               "blind reuse and the noise floor for comparison. A budget too small for rank 1 has no rank-based entry. The "

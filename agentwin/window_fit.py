@@ -58,7 +58,7 @@ AUTO = "auto"
 # reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042), the output
 # fit at no budget; at this budget (the study's 12%) and above neither did and the guard changed
 # no case's KL, while it costs a
-# document step 20-70% more (`agentwin bench steps` with and without `--guard`, four runs each:
+# document step 20-70% more (`agentwin bench steps` with and without `--guard`, six runs each:
 # 1.9-2.4 s against 2.3-3.2 s).
 GUARD_BELOW = DEFAULT_PATCH_BYTES
 

@@ -9,8 +9,8 @@ Layouts (token-major): MHA/GQA keys and values `[T, H, D]`; MLA c_KV `[T, R]` (t
 
 Fitting minimises `|| diag(√w) (Δ − Δ̂) M^½ ||_F` (w: token weights, M: block-diagonal feature
 metric, e.g. the per-KV-head second moment of the queries that will read the keys: attention sees
-a key only through q·k). With X = diag(√w)·Δ and W = M^½, the optimum of rank m is
-Δ̂ = diag(√w)⁻¹ U_m U_mᵀ X where U_m are the top left singular vectors of X·W (Eckart–Young on
+a key only through q·k). With X = diag(√w)·Δ and any W with W·Wᵀ = M (the Cholesky factor), the
+optimum of rank m is Δ̂ = diag(√w)⁻¹ U_m U_mᵀ X where U_m are the top left singular vectors of X·W (Eckart–Young on
 X·W; for a fixed U_m the best right factor is U_mᵀ X, which equals S_m V_mᵀ W⁻¹ when W is
 invertible). Computing vt = U_mᵀ X never forms W⁻¹, whose condition number reaches ~1e3–1e4 with
 the ridge below. All fitting runs in float64; factors come back as float32.
@@ -258,9 +258,25 @@ def attention_mass(weights: Tensor) -> Tensor:
 
 
 def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
-    """(W, W⁻¹) with W = blockdiag((Σ_h + ridge)^½), each `[H, D, D]` float64, symmetric."""
+    """(W, W⁻¹), each `[H, D, D]` float64, with W·Wᵀ = Σ_h + ridge: any such W gives the weighted
+    norm (||E·W||²_F = tr(E·M·Eᵀ)) and the same singular values of X·W. The Cholesky factor
+    (lower) when the ridged blocks are positive definite, else the symmetric root of the
+    eigendecomposition (which also checks the metric is positive semi-definite)."""
     sigma = metric.to(torch.float64)
-    sigma = (sigma + sigma.transpose(-1, -2)) / 2  # symmetrise rounding noise before eigh
+    sigma = (sigma + sigma.transpose(-1, -2)) / 2  # symmetrise rounding noise
+    scale = sigma.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / dim  # trace(Σ_h)/D, (H, 1)
+    if bool((scale > 0).any()):
+        # A head no query reads (Σ_h = 0) borrows the mean scale so its ridge, and W, stay invertible.
+        scale = torch.where(scale > 0, scale, scale[scale > 0].mean())
+        eye = torch.eye(dim, dtype=torch.float64, device=sigma.device)
+        low, info = torch.linalg.cholesky_ex(sigma + (RIDGE * scale)[..., None] * eye)
+        if not bool(info.any()):
+            return low, torch.linalg.solve_triangular(low, eye.expand_as(low), upper=False)
+    return _metric_sqrt_eigh(sigma, dim)
+
+
+def _metric_sqrt_eigh(sigma: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """(W, W⁻¹) with W = blockdiag((Σ_h + ridge)^½), symmetric, from the eigendecomposition."""
     evals, evecs = torch.linalg.eigh(sigma)
     top = evals.abs().amax(dim=-1, keepdim=True)
     if bool((evals < -1e-4 * top).any()):  # lenient: a float32 Σ of rank < D rounds to ±1e-7·top
@@ -268,7 +284,6 @@ def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
     scale = evals.clamp_min(0).sum(dim=-1, keepdim=True) / dim  # trace(Σ_h)/D, (H, 1)
     if not bool((scale > 0).any()):
         raise ValueError("metric is zero in every head; it cannot weight anything")
-    # A head no query reads (Σ_h = 0) borrows the mean scale so its ridge, and W, stay invertible.
     scale = torch.where(scale > 0, scale, scale[scale > 0].mean())
     root = (evals.clamp_min(0) + RIDGE * scale).sqrt()
     w = (evecs * root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
@@ -376,14 +391,24 @@ def fit_with_gains(delta: Tensor, metric: Tensor | None = None, row_weights: Ten
     from one decomposition: `factors.truncate(m)` is the best rank-m fit, and adding component i
     lowers the weighted squared error by exactly σ_i²."""
     x, xw, sqrt_w, w_inv = _weighted(delta, metric, row_weights)
-    s2, v = _right_vectors(xw)
-    r = min(x.shape[0], x.shape[1])
-    v = v[:, :r]  # (F, r)
-    u = xw @ v  # (T, r)
-    vt = v.T  # (r, F)
-    if w_inv is not None:
-        heads, dim = w_inv.shape[0], w_inv.shape[1]
-        vt = torch.einsum("rhd,hde->rhe", vt.reshape(r, heads, dim), w_inv).reshape(r, -1)  # (r, H·D)
+    t, f = x.shape
+    if t < f:
+        # Fewer tokens than features: the T×T Gram matrix of Y = X·W is the smaller eigenproblem.
+        # With its eigenvectors U (orthonormal, all T of them): u = U, vt = Uᵀ·X, so u·vt = U·Uᵀ·X
+        # reproduces X, and the first m columns give the best rank-m fit in the weighted norm.
+        evals, um = torch.linalg.eigh(xw @ xw.T)
+        s2, um = evals.flip(0).clamp_min(0), um.flip(1)
+        u, vt = um, um.T @ x  # (T, T), (T, F)
+        r = t
+    else:
+        s2, v = _right_vectors(xw)
+        r = min(t, f)
+        v = v[:, :r]  # (F, r)
+        u = xw @ v  # (T, r)
+        vt = v.T  # (r, F)
+        if w_inv is not None:
+            heads, dim = w_inv.shape[0], w_inv.shape[1]
+            vt = torch.einsum("rhd,hde->rhe", vt.reshape(r, heads, dim), w_inv).reshape(r, -1)  # (r, H·D)
     if sqrt_w is not None:
         u = u / sqrt_w[:, None]
     factors = Factors(u.float().contiguous(), vt.float().reshape(r, *delta.shape[1:]).contiguous())
@@ -397,7 +422,7 @@ def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | Non
     so the error at rank m is `total − σ²[:m].sum()`.
     """
     _, xw, _, _ = _weighted(delta, metric, row_weights)
-    s2 = torch.linalg.eigvalsh(xw.T @ xw).flip(0).clamp_min(0)
+    s2 = torch.linalg.eigvalsh(xw @ xw.T if xw.shape[0] < xw.shape[1] else xw.T @ xw).flip(0).clamp_min(0)
     return s2[: min(xw.shape)], float(xw.square().sum())
 
 

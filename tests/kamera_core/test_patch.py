@@ -61,7 +61,8 @@ def _weighted_err(delta, approx, metric=None, row_weights=None) -> float:
 CASES = {
     "mha": (T, H, D),
     "mla": (T, R),
-    "wide": (10, H, D),  # fewer tokens than features
+    "wide": (10, H, D),  # fewer tokens than features (as is "mha": 40 < 48): the T×T route
+    "tall": (60, H, D),  # more tokens than features: the F×F route with per-head metric blocks
 }
 
 

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per worker, both runs (default: CPUs / workers)")
     parser.add_argument("--tasks", type=int, help="document tasks (default 12; 6 with --quick)")
     parser.add_argument("--docs", type=int, default=3, help="distinct PDFs the tasks share (default 3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each side, alternating which goes first; wall times are the median (default 3)")
     parser.add_argument("--store", metavar="URL", help="shared tier: a redis:// URL (default: a shared directory)")
     parser.add_argument("--get-entries", type=int, default=16, help="entries timed for remote_get_mb_s (default 16)")
     parser.add_argument("--get-entry-mb", type=float, default=2.0, help="MiB per timed entry (default 2)")

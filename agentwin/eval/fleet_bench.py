@@ -7,8 +7,10 @@ both runs do the same navigation, and every encode and forward is the model's re
 default model is the real SmolLM2 with 12 tasks over 3 PDFs; `--quick` uses tiny-llama-gqa and
 6 tasks.
 
-The same tasks run twice on `--workers` spawned worker processes (each loads the model once,
-`--threads` torch threads each, the same on both sides):
+The same tasks run on `--workers` spawned worker processes (each loads the model once,
+`--threads` torch threads each, the same on both sides), `--repeats` times per side, the order of the
+two sides alternating between repeats (shared first, then private first, ...) so that neither side
+always gets the cold first run:
 - shared: every worker opens the same store: `--store redis://...` (a fresh tenant per run, so
   the server starts cold for this run) or, without --store, one directory;
 - private: every worker has its own directory store (nothing is shared between workers).
@@ -20,12 +22,16 @@ Figures (JSON with `--json FILE`):
 - remote_hit_rate: with Redis, remote hits / (remote hits + remote misses) of the shared run (the
   store's counters, summed over tasks); with a directory, the shared directory's hit rate for
   canonical KV instead: store hits / (store hits + encodes) (`hit_rate_kind` says which);
-- wall_s_shared / wall_s_private: from the moment every worker is ready (tasks are held until
-  then) to the last result; model loading is reported apart as startup_s_*;
+- wall_s_shared / wall_s_private: the median over repeats of the time from the moment every
+  worker is ready (tasks are held until then) to the last result; wall_s_*_min the least and
+  wall_s_*_runs every repeat; model loading is reported apart as startup_s_* (median);
+- encodes_* and store hits are those of the first repeat of each side; encodes_*_runs has every
+  repeat's (each repeat starts from an empty store: a fresh directory, or a fresh Redis tenant);
 - remote_get_mb_s: read throughput of the shared tier on this machine: `--get-entries` entries of
   `--get-entry-mb` MiB are put, then a fresh store object (empty RAM tier) times `store.get` of
   each; with a directory this reads local files (likely from the page cache; `get_tier` says so);
-- the load average before and after each run (other work on the machine slows both runs).
+- the load average before and after each run (other work on the machine slows both runs):
+  loadavg holds the first repeat's, loadavg_runs every repeat's.
 
 `check(args)` refuses bad options, `measure(args)` runs both and returns the figures,
 `format_table(figures)` is what the command prints.
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +63,8 @@ def check(args: argparse.Namespace) -> str | None:
             return f"--{name} must be >= 1, got {value}"
     if not 1 <= args.docs <= len(DOC_TOPICS):
         return f"--docs must be 1 to {len(DOC_TOPICS)}, got {args.docs}"
+    if args.repeats < 1:
+        return f"--repeats must be >= 1, got {args.repeats}"
     if args.get_entries < 1 or not args.get_entry_mb > 0:
         return "--get-entries and --get-entry-mb must be positive"
     if args.store is not None and not args.store.startswith(("redis://", "rediss://")):
@@ -183,14 +192,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="agentwin-fleet-") as tmp:
         folder = Path(tmp)
         tasks = write_workload(folder, n_tasks, args.docs, args.quick)
-        shared_location = args.store or str(folder / "shared")
-        tenant = f"fleet-{uuid.uuid4().hex[:8]}-" if redis else ""
         progress = not args.quiet
-        shared = run_fleet(tasks, model, args.workers, threads, shared_location, False, tenant, "shared store", progress)
-        private = run_fleet(tasks, model, args.workers, threads, str(folder / "private"), True, "", "private stores",
-                            progress)
+        runs: dict[str, list[dict[str, Any]]] = {"shared": [], "private": []}
+        for r in range(args.repeats):
+            for side in (("shared", "private") if r % 2 == 0 else ("private", "shared")):
+                label = f"{side} store{'s' if side == 'private' else ''}" + (f" ({r + 1}/{args.repeats})" if args.repeats > 1 else "")
+                if side == "shared":
+                    location = args.store or str(folder / f"shared-{r}")
+                    tenant = f"fleet-{uuid.uuid4().hex[:8]}-" if redis else ""
+                    runs["shared"].append(run_fleet(tasks, model, args.workers, threads, location, False, tenant, label,
+                                                    progress))
+                else:
+                    runs["private"].append(run_fleet(tasks, model, args.workers, threads, str(folder / f"private-{r}"),
+                                                     True, "", label, progress))
+        shared, private = runs["shared"][0], runs["private"][0]
         fingerprint = shared["workers"][0]["fingerprint"]
-        get = measure_get(shared_location, fingerprint, args.get_entries, args.get_entry_mb)
+        get_location = args.store or str(folder / "shared-get")
+        get = measure_get(get_location, fingerprint, args.get_entries, args.get_entry_mb)
     rate, kind = hit_rate(shared, redis)
     return {
         "benchmark": "fleet", "model": model, "quick": bool(args.quick), "workers": args.workers,
@@ -202,16 +220,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "remote_hit_rate": rate, "hit_rate_kind": kind,
         "store_hits_shared": shared["total"]["store_hits"], "store_hits_private": private["total"]["store_hits"],
         "forwards_shared": shared["total"]["forwards"], "forwards_private": private["total"]["forwards"],
-        "wall_s_shared": shared["wall_s"], "wall_s_private": private["wall_s"],
-        "startup_s_shared": shared["startup_s"], "startup_s_private": private["startup_s"],
+        "repeats": args.repeats,
+        "encodes_shared_runs": [x["total"]["encodes"] for x in runs["shared"]],
+        "encodes_private_runs": [x["total"]["encodes"] for x in runs["private"]],
+        **{f"{k}_{side}": v for side in ("shared", "private") for k, v in walls(runs[side]).items()},
         "tasks_per_worker_shared": per_worker(shared["records"]), "tasks_per_worker_private": per_worker(private["records"]),
         "remote_get_mb_s": get["mb_s"], "get_entries": get["entries"], "get_entry_mb": get["entry_mb"],
         "get_tier": (f"redis ({redact(args.store)})" if redis else
                      "directory: local disk tier, files likely in the page cache (not a network tier)"),
         "loadavg": {"shared": [shared["loadavg_before"], shared["loadavg_after"]],
                     "private": [private["loadavg_before"], private["loadavg_after"]]},
-        "answers_agree": answers(shared["records"]) == answers(private["records"]),
+        "loadavg_runs": {side: [[x["loadavg_before"], x["loadavg_after"]] for x in runs[side]] for side in runs},
+        "answers_agree": all(answers(x["records"]) == answers(shared["records"]) for side in runs for x in runs[side]),
     }
+
+
+def walls(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, least and every repeat's task wall time, and the median start-up, of one side."""
+    wall = [x["wall_s"] for x in runs]
+    return {"wall_s": statistics.median(wall), "wall_s_min": min(wall), "wall_s_runs": wall,
+            "startup_s": statistics.median(x["startup_s"] for x in runs)}
 
 
 def per_worker(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -235,8 +263,9 @@ def format_table(r: dict[str, Any]) -> str:
         ("tasks over documents", f"{r['tasks']} over {r['docs']} PDFs ({r['distinct_chunks']} distinct pages)"),
         ("encodes shared / private", f"{r['encodes_shared']} / {r['encodes_private']}"),
         ("hit rate (shared)", f"{rate} ({r['hit_rate_kind']})"),
-        ("tasks wall s shared / private", f"{r['wall_s_shared']:.2f} / {r['wall_s_private']:.2f} "
-                                          f"(+ startup {r['startup_s_shared']:.1f} / {r['startup_s_private']:.1f})"),
+        (f"tasks wall s shared / private, median of {r['repeats']}",
+         f"{r['wall_s_shared']:.2f} / {r['wall_s_private']:.2f} (min {r['wall_s_min_shared']:.2f} / "
+         f"{r['wall_s_min_private']:.2f}; + startup {r['startup_s_shared']:.1f} / {r['startup_s_private']:.1f})"),
         ("shared tier get", f"{r['remote_get_mb_s']:.0f} MiB/s ({r['get_entries']} x {r['get_entry_mb']:g} MiB; "
                             f"{r['get_tier']})"),
         ("load average (1 min) before", f"shared {r['loadavg']['shared'][0][0]:.2f}, private {r['loadavg']['private'][0][0]:.2f}"),

@@ -15,7 +15,7 @@ FIELDS = ("encodes_shared", "encodes_private", "remote_hit_rate", "hit_rate_kind
 @pytest.mark.slow
 def test_quick_run_writes_the_figures(tmp_path, capsys):
     out = tmp_path / "fleet.json"
-    assert main(["bench", "fleet", "--quick", "--quiet", "--json", str(out)]) == 0
+    assert main(["bench", "fleet", "--quick", "--quiet", "--repeats", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert all(f in r for f in FIELDS), [f for f in FIELDS if f not in r]
     assert r["model"] == "tiny-llama-gqa" and r["workers"] == 2 and r["tasks"] == 6 and r["answers_agree"]
@@ -26,6 +26,11 @@ def test_quick_run_writes_the_figures(tmp_path, capsys):
     assert 0 < r["remote_hit_rate"] <= 1 and "shared directory" in r["hit_rate_kind"]
     assert r["remote_get_mb_s"] > 0 and r["get_tier"].startswith("directory")
     assert r["wall_s_shared"] > 0 and r["wall_s_private"] > 0 and len(r["loadavg"]["shared"]) == 2
+    # Two repeats a side, each from an empty store: every repeat's encodes obey the same bounds, and the
+    # median and least wall times are those of the repeats.
+    assert r["repeats"] == 2 and len(r["wall_s_runs_shared"]) == len(r["encodes_private_runs"]) == 2
+    assert all(r["distinct_chunks"] <= e <= r["workers"] * r["distinct_chunks"] for e in r["encodes_shared_runs"])
+    assert r["wall_s_min_private"] == min(r["wall_s_runs_private"]) <= r["wall_s_private"] <= max(r["wall_s_runs_private"])
     assert "encodes shared / private" in capsys.readouterr().out
 
 
@@ -33,6 +38,7 @@ def test_quick_run_writes_the_figures(tmp_path, capsys):
     (["--workers", "5"], "--workers must be 2 to 4"),
     (["--docs", "0"], "--docs must be 1 to 6"),
     (["--store", "/tmp/x"], "--store must be a redis:// or rediss:// URL"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--get-entries", "0"], "--get-entries and --get-entry-mb must be positive"),
 ])
 def test_bad_options_are_refused(args, message, capsys):

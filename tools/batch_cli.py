@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--budget-tokens", type=positive_arg, help="window size in tokens (default: 1024 doc, 2048 web, 4096 video)")
     group.add_argument("--max-steps", type=positive_arg, help="decisions before giving up (default: 12 doc and web, 16 video)")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48, help="tokens per decision (default 48)")
-    group.add_argument("--rank", type=rank_arg, default=16, help="antecedent patch rank (checked by the patch guard), or 'exact' (default 16)")
+    group.add_argument("--rank", type=rank_arg, default="budget",
+                       help="antecedent patches: 'budget' (each within 6%% of the chunk's KV bytes, the window's "
+                            "default), a rank (checked by the patch guard), or 'exact' (default budget)")
     group.add_argument("--patch", choices=("origin-similar", "origin", "fresh", "none"), default="origin-similar",
                        help="patch policy (default origin-similar, as the window's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -60,11 +60,13 @@ def _positive_number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _check_rank(value: Any) -> int | None:
+def _check_rank(value: Any) -> int | str | None:
     if isinstance(value, str) and value.lower() in ("exact", "none", "full"):
         return None
+    if isinstance(value, str) and value.lower() == "budget":
+        return "budget"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TaskError(f'"rank" must be a positive integer or "exact", got {value!r}')
+        raise TaskError(f'"rank" must be "budget", a positive integer or "exact", got {value!r}')
     return value
 
 

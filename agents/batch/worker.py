@@ -33,7 +33,7 @@ class WorkerConfig:
     budget_tokens: int | None = None
     max_steps: int | None = None
     max_new_tokens: int = 48
-    rank: int | None = 16
+    rank: int | str | None = "budget"  # the window's default: within 6% of each chunk's KV bytes
     patch: str = "origin-similar"
 
 

@@ -156,10 +156,12 @@ def test_task_file_lines_are_checked_one_by_one(tmp_path):
         {"kind": "web", "source": "http://127.0.0.1:1/", "task": "Find it", "allow_hosts": "127.0.0.1",
          "script": [{"action": "answer", "text": "-"}]},
         [1, 2],
+        {"id": "f", "kind": "doc", "source": "a.pdf", "question": "x", "rank": "Budget"},
     ])
     tasks, bad = read_tasks(path)
-    assert [t.id for t in tasks] == ["a", "line 8"]
-    a, web = tasks
+    assert [t.id for t in tasks] == ["a", "line 8", "f"]
+    a, web, f = tasks
+    assert f.options == {"rank": "budget"}  # the window's byte-budget patches, by name
     assert a.source == str(tmp_path / "docs" / "a.pdf") and a.options == {"max_steps": 3, "rank": None}
     assert web.kind == "web" and web.source == "http://127.0.0.1:1/" and web.question == "Find it"
     assert web.options == {"allow_hosts": ["127.0.0.1"]} and json.loads(web.script[0])["action"] == "answer"
@@ -195,7 +197,7 @@ def test_a_task_file_that_cannot_be_used_at_all(tmp_path, content, message):
     ({"kind": "web", "question": "x"}, "give a start URL"),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "task": "y"}, 'either "question" or "task"'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "max_steps": 0}, '"max_steps" must be a positive integer'),
-    ({"kind": "doc", "source": "a.pdf", "question": "x", "rank": "low"}, '"rank" must be a positive integer or "exact"'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "rank": "low"}, '"rank" must be "budget", a positive integer or "exact"'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "patch": "all"}, '"patch" must be one of origin'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "script": []}, '"script" must be a non-empty list'),
     ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive number'),

@@ -71,9 +71,10 @@ class Window:
         Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
         default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
         None (exact); fit "output" (ranks spread over layers and K/V by the error each block
-        leaves in its layer's attention output, keys in the metric of the chunk's own queries;
-        the default), "alloc" (spread by each block's relative error), "svd" or "query" (one rank
-        everywhere); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
+        leaves in its layer's attention output relative to the layer's, keys in the metric of the
+        chunk's own queries; the default), "output-half" / "output-abs" (the same, each layer's
+        error by the root of its scale / absolute), "alloc" (spread by each block's relative
+        error), "svd" or "query" (one rank everywhere); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
         exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
         alone was measured worse than blind reuse, and for rank=N windows; off at the default
         budget, where it changed nothing measured and costs a document step 20-70% more,

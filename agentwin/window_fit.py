@@ -46,8 +46,8 @@ from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, patch as kp
 from kamera_core.relocate import relocate_keys
 
-FITS = ("svd", "query", "alloc", "output")
-QUERY_FITS = ("query", "output")  # fits that read the queries of the chunk's pass
+FITS = ("svd", "query", "alloc", *kp.OUTPUT_FITS)
+QUERY_FITS = ("query", *kp.OUTPUT_FITS)  # fits that read the queries of the chunk's pass
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
@@ -120,7 +120,7 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
         guard = fraction is None or fraction < GUARD_BELOW
     return PatchSettings(rank, fraction, "fp32" if exact else storage, guard and not exact and not mla,
                          None if exact or mla or max_kl is None else float(max_kl),
-                         ("alloc" if fit in ("alloc", "output") else "svd") if mla else fit)
+                         ("alloc" if fit == "alloc" or fit in kp.OUTPUT_FITS else "svd") if mla else fit)
 
 
 def query_metrics(km: Any, probe: Any, start: int) -> list[tuple[Any, None]]:
@@ -158,23 +158,25 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
     return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage)
 
 
-def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None) -> kp.ChunkPatch:
+def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None,
+                exponent: float = 1.0) -> kp.ChunkPatch:
     """fit="alloc": one decomposition per layer's K and V deficit (`kamera_core.patch.fit_with_gains`),
     the bytes spread by the allocator on the singular values (`kamera_core.budget.budget_ranks`),
     each block's gains normalised by its energy, its factors truncated to its rank and stored as
     `window.storage`. With `metrics` (per layer the K output metric, fit="output"): K fitted in
     it, so a layer's K and V gains share one unit (its attention output's error), and both are
-    normalised by the spread of the layer's canonical values (a relative error per layer)."""
+    normalised by the spread of the layer's canonical values to the power `exponent`
+    (`kamera_core.patch.layer_normaliser`: 1 a relative error per layer, 0 an absolute one)."""
     tokens, features = _shape(deltas)
     ks = [None] * len(deltas) if metrics is None else metrics
     full = [(kp.fit_with_gains(dk, mk), kp.fit_with_gains(dv)) for (dk, dv), mk in zip(deltas, ks)]
     if metrics is None:
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
     else:
-        spread = [tokens * float(kp.value_spread(hv).sum()) for _, hv in held]
-        gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, spread)]
+        norms = [kp.layer_normaliser(hv, exponent) for _, hv in held]
+        gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
     ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
-    name = "alloc" if metrics is None else "output"
+    name = "alloc" if metrics is None else window.fit
     return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, name, window.storage)
 
 
@@ -200,9 +202,10 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         first = max(1, layer_ranks(window, deltas, held)[0][0])
         patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
     else:
-        if window.fit == "output" and probed is not None and text:
-            patch = alloc_patch(window, deltas, held, output_metrics(km, probed[1], start, held))
-        elif window.fit in ("alloc", "output"):
+        if window.fit in kp.OUTPUT_FITS and probed is not None and text:
+            patch = alloc_patch(window, deltas, held, output_metrics(km, probed[1], start, held),
+                                kp.OUTPUT_FITS[window.fit])
+        elif window.fit == "alloc" or window.fit in kp.OUTPUT_FITS:
             patch = alloc_patch(window, deltas, held)
         else:
             metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None

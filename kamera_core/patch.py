@@ -248,6 +248,22 @@ def value_spread(values: Tensor) -> Tensor:
     return (v - v.mean(dim=0)).square().sum(dim=-1).mean(dim=0)
 
 
+# The output fits by the exponent of their per-layer normaliser (`layer_normaliser`): "output"
+# compares relative errors of each layer's attention output, "output-abs" absolute ones,
+# "output-half" sits between.
+OUTPUT_FITS = {"output": 1.0, "output-half": 0.5, "output-abs": 0.0}
+
+
+def layer_normaliser(values: Tensor, exponent: float) -> float:
+    """(T·Σ_h spread_h)^exponent for a layer's canonical values `[T, H, Dv]` (`value_spread`): what
+    the allocator divides both of a layer's block gains by in an output fit. Exponent 1 makes the
+    gains relative to the layer's output scale, 0 leaves them absolute."""
+    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent <= 1:
+        raise ValueError(f"exponent must be a number in [0, 1], got {exponent!r}")
+    scale = int(values.shape[0]) * float(value_spread(values).sum())
+    return 1.0 if exponent == 0 else scale ** exponent
+
+
 def attention_mass(weights: Tensor) -> Tensor:
     """`[Tk]` float64 mean mass each key token receives from attention probabilities
     `weights [Hq, Tq, Tk]` (mean over heads and query rows)."""

@@ -19,7 +19,8 @@ from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
 from kamera_core import budget as kb, kv_layout, patch as kp, rope_specs
 
-KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output", "kamera-orbit")
+OUTPUT_METHODS = {f"kamera-{fit}": exponent for fit, exponent in kp.OUTPUT_FITS.items()}
+KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", *OUTPUT_METHODS, "kamera-orbit")
 
 
 @dataclass
@@ -96,25 +97,27 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
     query second-moment metric of the conditioned pass, kamera-output with K in that metric scaled
     per head by the spread of the chunk's canonical `values` (per layer; `kp.output_metric`) and
     both of a layer's blocks normalised by that layer's values' spread (the allocator then
-    compares relative errors of each layer's attention output, as the window's fit="output")."""
+    compares relative errors of each layer's attention output, as the window's fit="output");
+    kamera-output-half and kamera-output-abs by its square root and by 1 (absolute errors;
+    `kp.layer_normaliser`, the window's fit="output-half" and "output-abs")."""
     deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
     if method not in KAMERA_METHODS:
         raise ValueError(f"unknown patch method {method!r}; choose one of {KAMERA_METHODS}")
     metrics = [(None, None)] * len(deltas)
-    if method in ("kamera-query", "kamera-output"):
+    if method == "kamera-query" or method in OUTPUT_METHODS:
         if not isinstance(cond, Conditioning) or num_kv_heads is None:
             raise ValueError(f"{method} needs the conditioned pass's queries and num_kv_heads")
         metrics = [(kp.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
-    if method == "kamera-output":
+    if method in OUTPUT_METHODS:
         if values is None or len(values) != len(deltas):
-            raise ValueError("kamera-output needs the chunk's canonical values, one tensor per layer")
+            raise ValueError(f"{method} needs the chunk's canonical values, one tensor per layer")
         metrics = [(kp.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
     full, gains, energy = [], [], []
     for layer, ((dk, dv), (mk, mv)) in enumerate(zip(deltas, metrics)):
         fk, gk, ek = kp.fit_with_gains(dk, mk)
         fv, gv, ev = kp.fit_with_gains(dv, mv)
-        if method == "kamera-output":  # one normaliser per layer: its values' spread
-            ek = ev = int(dk.shape[0]) * float(kp.value_spread(values[layer]).sum())
+        if method in OUTPUT_METHODS:  # one normaliser per layer: its values' spread
+            ek = ev = kp.layer_normaliser(values[layer], OUTPUT_METHODS[method])
         full.append((fk, fv))
         gains.append((gk, gv))
         energy.append((ek, ev))
@@ -127,7 +130,7 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit) or by
     its layer's values' spread (kamera-output)."""
-    alloc = fits.method in ("kamera-alloc", "kamera-orbit", "kamera-output")
+    alloc = fits.method in ("kamera-alloc", "kamera-orbit", *OUTPUT_METHODS)
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
     return kp.truncated_patch(fits.full, ranks, fits.method, storage)

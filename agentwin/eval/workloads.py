@@ -25,7 +25,8 @@ from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits a
 from agentwin.eval.datasets import make_case
 
 PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output",
-                 "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8")
+                 "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8",
+                 "kamera-output-half-int8", "kamera-output-abs-int8")
 PAPER = {"cacheblend": 0.15, "epic": 16, "vlcache": 0.05}  # each anchor's published default
 SWEEPS = {"cacheblend": (0.05, 0.10, 0.15, 0.25, 0.40), "epic": (2, 4, 8, 16, 32, 64),
           "vlcache": (0.02, 0.05, 0.10, 0.20, 0.40)}

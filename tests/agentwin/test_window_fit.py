@@ -124,7 +124,7 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
-@pytest.mark.parametrize("fit", ["alloc", "query", "output"])
+@pytest.mark.parametrize("fit", ["alloc", "query", "output", "output-half", "output-abs"])
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
     `kamera-alloc-int8`, `kamera-query-int8` or `kamera-output-int8` does at that budget

@@ -401,3 +401,20 @@ def test_output_metric_weighs_key_errors_by_what_they_do_to_the_attention_output
         output_metric(sigma, values[:, :2])
     with pytest.raises(ValueError, match="query_metric must be"):
         output_metric(sigma[0], values)
+
+
+def test_layer_normaliser_by_exponent():
+    """Exponent 1: T times the values' summed spread (the layer's output scale); 0: no
+    normalisation (absolute errors); 0.5: the root; out-of-range exponents are refused."""
+    from kamera_core.patch import OUTPUT_FITS, layer_normaliser
+
+    values = torch.randn(7, 2, 4, generator=_gen(3), dtype=torch.float64)
+    scale = 7 * float((values - values.mean(0)).square().sum(-1).mean(0).sum())
+    assert layer_normaliser(values, 1.0) == pytest.approx(scale, rel=1e-12)
+    assert layer_normaliser(values, 0.5) == pytest.approx(scale ** 0.5, rel=1e-12)
+    assert layer_normaliser(values, 0) == 1.0 and layer_normaliser(3 * values, 0) == 1.0
+    assert layer_normaliser(3 * values, 1) == pytest.approx(9 * scale, rel=1e-12)
+    assert OUTPUT_FITS == {"output": 1.0, "output-half": 0.5, "output-abs": 0.0}
+    for bad in (-0.5, 2, True, "1"):
+        with pytest.raises(ValueError, match="exponent must be"):
+            layer_normaliser(values, bad)

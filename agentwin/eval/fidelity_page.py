@@ -128,6 +128,8 @@ def render_page(result: dict[str, Any]) -> str:
               ("| origin-output | the same with `fit=\"output\"`: ranks spread by the first-order error each block "
                "leaves in its layer's attention output (keys in the metric of the chunk's own queries scaled by "
                "its values' spread), relative to that layer's values' spread |"),
+              ("| origin-output-half, origin-output-abs | the same with `fit=\"output-half\"` / `\"output-abs\"`: each "
+               "layer's error relative to the square root of its values' spread / absolute |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
               ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "

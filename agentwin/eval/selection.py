@@ -124,11 +124,16 @@ def select(summary: Sequence[dict], group: Sequence[str], metric: str, higher_be
 def window_default(results: Sequence[dict], cap: float = 0.06) -> dict:
     """The patch fit a window should use by default, from evaluation results (`eval_binding.json`,
     `eval_smollm2.json`): in every group of each (a binding condition, a SmolLM2 trace), the Kamera
-    method chosen on validation at `cap` bytes; the method chosen in the most groups wins, ties to
-    the lower mean validation rank. Only validation rows decide (`select`). Returns {"method",
-    "votes": {method: groups}, "groups": [(group, method)]}."""
+    methods within `cap` bytes are ranked by their best validation score (accuracy, or KL); the
+    method with the lowest mean rank over all groups wins (only methods run in every group take
+    part), ties to the one chosen in more groups. Votes alone (the method chosen in the most groups)
+    ignore margins: a fit that tops two groups of one model wins over fits that split the other
+    model's groups between them, however badly it ranks there. Only validation rows decide.
+    Returns {"method", "mean_rank": {method: mean rank}, "votes": {method: groups chosen in},
+    "groups": [(group, method chosen there)]}."""
     groups: list[tuple[str, str]] = []
     ranks: dict[str, list[int]] = {}
+    n_groups = 0
     for res in results:
         for s in res["selected"]:
             if s["family"] == "kamera" and abs(s["cap"] - cap) < 1e-12:
@@ -140,6 +145,7 @@ def window_default(results: Sequence[dict], cap: float = 0.06) -> dict:
                and s["bytes_frac"] <= cap + 1e-12]
         metric, sign = ("acc", -1.0) if val and "acc" in val[0] else ("kl", 1.0)
         for g in dict.fromkeys(next(s[k] for k in keys if k in s) for s in val):
+            n_groups += 1
             best: dict[str, float] = {}
             for s in val:
                 if next(s[k] for k in keys if k in s) == g:
@@ -149,7 +155,8 @@ def window_default(results: Sequence[dict], cap: float = 0.06) -> dict:
     votes: dict[str, int] = {}
     for _, m in groups:
         votes[m] = votes.get(m, 0) + 1
-    if not votes:
-        raise ValueError(f"no Kamera method was chosen at a {cap:.0%} cap in these results")
-    method = min(votes, key=lambda m: (-votes[m], statistics.fmean(ranks.get(m, [math.inf]))))
-    return {"method": method, "votes": votes, "groups": groups}
+    mean_rank = {m: statistics.fmean(r) for m, r in ranks.items() if len(r) == n_groups}
+    if not mean_rank:
+        raise ValueError(f"no Kamera method was ranked in every group at a {cap:.0%} cap in these results")
+    method = min(mean_rank, key=lambda m: (mean_rank[m], -votes.get(m, 0)))
+    return {"method": method, "mean_rank": mean_rank, "votes": votes, "groups": groups}

@@ -194,3 +194,32 @@ def test_greedy_settings_are_the_validation_choices_plus_the_fixed_rows():
     assert ("kamera-alloc", "6.0%") in got and ("kamera-svd", "6.0%") not in got
     assert ("epic", "k=64") in got  # chosen at the 25% compute cap
     assert {("full", ""), ("blind", ""), ("epic", "k=16"), ("cacheblend", "15%"), ("vlcache", "r=5%")} <= got
+
+
+def test_window_default_is_the_lowest_mean_validation_rank_not_the_most_votes():
+    """Method `a` tops both groups of one model but is last on the other model's three traces;
+    `b` is second everywhere. Votes would pick `a` (2 of 5 groups); the mean rank picks `b`. A
+    method missing from a group (`orbit`) cannot win, and test rows never count."""
+    def row(split, key, group, method, score):
+        metric = {"acc": score} if key == "condition" else {"kl": score}
+        return {"split": split, key: group, "method": method, "bytes_frac": 0.05, **metric}
+
+    acc = {"a": 0.9, "b": 0.8, "c": 0.7}
+    binding = {"summary": [row("validation", "condition", g, f"kamera-{m}", v)
+                           for g in ("same-list", "other-list") for m, v in acc.items()],
+               "selected": [{"family": "kamera", "cap": 0.06, "condition": g, "method": "kamera-a"}
+                            for g in ("same-list", "other-list")]}
+    kl = {"recall": {"c": 1e-3, "b": 2e-3, "a": 9e-3}, "reorder": {"c": 1e-3, "b": 2e-3, "a": 9e-3},
+          "slide": {"c": 3e-3, "b": 2e-3, "a": 9e-3}}
+    smollm2 = {"summary": [row("validation", "trace", t, f"kamera-{m}", v) for t, d in kl.items() for m, v in d.items()]
+               + [row("validation", "trace", "reorder", "kamera-orbit", 1e-4),
+                  row("test", "trace", "slide", "kamera-a", 1e-9)],
+               "selected": [{"family": "kamera", "cap": 0.06, "trace": t, "method": min(d, key=d.get)}
+                            for t, d in kl.items()]}
+    chosen = selection.window_default([binding, smollm2])
+    assert chosen["votes"]["kamera-a"] == 2 and max(chosen["votes"].values()) == 2
+    # reorder ranks orbit first, so there a, b and c rank 3, 2 and 1
+    assert chosen["mean_rank"] == {"kamera-a": 1.4, "kamera-b": 1.0, "kamera-c": 1.2}
+    assert chosen["method"] == "kamera-b" and "kamera-orbit" not in chosen["mean_rank"]
+    with pytest.raises(ValueError, match="ranked in every group"):
+        selection.window_default([binding], cap=0.01)

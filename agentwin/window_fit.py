@@ -32,7 +32,7 @@ The defaults are the fit `agentwin bench eval` chose on its validation split at 
 `eval_smollm2.json`): `kamera-output-int8`, with the lowest mean validation rank over the 5
 groups (2.8; alloc-int8 and svd-int8 3.2, query-int8 3.4, output-half-int8 4.2, output-abs-int8
 5.6). `output-abs` tops both binding conditions (gap 0.95 / 0.92 on test at 6%) but ranks last of
-the int8 fits on all three SmolLM2 traces (validation KL 2.6-15x the best there); the SmolLM2
+the int8 fits on all three SmolLM2 traces (validation KL 2.3-15x the best there); the SmolLM2
 traces went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test holds the
 defaults to that choice. The ranks come from the same function the evaluation
 fits its Kamera methods with, so the window serves the fit that was measured.

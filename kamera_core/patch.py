@@ -361,24 +361,14 @@ def fit(delta: Tensor, rank: int, metric: Tensor | None = None, row_weights: Ten
     rank: ≥ 0; clamped to min(T, F), which reproduces Δ (to float32 precision).
     Returns float32 Factors on delta's device, components by decreasing singular value; the
     product is Y's best rank-m projection mapped back (Y = diag(√w)·Δ·W, W = I without a metric).
-    With V_m Y's top right singular vectors: u = diag(√w)⁻¹·Y·V_m and vt = V_mᵀ·W⁻¹ (from the F×F
-    Gram matrix). A truncated fit (m < T < F, a short chunk) uses Y's top left singular vectors
-    U_m from the smaller T×T Gram matrix instead: u = diag(√w)⁻¹·U_m, vt = U_mᵀ·diag(√w)·Δ; the
-    same product, split differently between u and vt.
+    The first m components of `fit_with_gains`: with V_m Y's top right singular vectors,
+    u = diag(√w)⁻¹·Y·V_m and vt = V_mᵀ·W⁻¹ (from the F×F Gram matrix); a chunk with fewer tokens
+    than features (T < F) takes Y's top left singular vectors U_m from the smaller T×T Gram matrix
+    instead: u = diag(√w)⁻¹·U_m, vt = U_mᵀ·diag(√w)·Δ; the same product, split differently.
     """
     m = check_rank(rank)
-    x, xw, sqrt_w, _ = _weighted(delta, metric, row_weights)
-    t, f = x.shape
-    if m == 0 or m >= min(t, f) or t > f:
-        factors = fit_with_gains(delta, metric, row_weights)[0]
-        return factors.truncate(min(m, factors.rank))
-    # A truncated fit of a chunk with fewer tokens than features: the top left singular vectors
-    # U_m of X·W from the smaller T×T Gram matrix, then u = diag(√w)⁻¹·U_m and vt = U_mᵀ·X (the
-    # same product, diag(√w)⁻¹ U_m U_mᵀ X, without forming W⁻¹ or the F×F problem).
-    um = torch.linalg.eigh(xw @ xw.T)[1].flip(1)[:, :m]  # (T, m), eigenvalues ascending before the flip
-    vt = um.T @ x  # (m, F)
-    u = um if sqrt_w is None else um / sqrt_w[:, None]
-    return Factors(u.float().contiguous(), vt.float().reshape(m, *delta.shape[1:]).contiguous())
+    factors = fit_with_gains(delta, metric, row_weights)[0]  # ordered by gain: truncation is the optimum
+    return factors.truncate(min(m, factors.rank))
 
 
 def identity_factors(delta: Tensor) -> Factors:

@@ -60,13 +60,16 @@ class QueryProbe:
     logits: torch.Tensor | None = None  # `[n, vocab]` float32 next-token logits of the rows (set by the pass)
     keep_all: bool = False  # also keep every row's queries in `full` (the query-metric fit)
     full: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer `[Tq, Hq, D]`
+    keep_residual: bool = False  # also record the residual stream's size (fit="residual")
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer ||h||² of every row `[Tq]`
 
     @classmethod
-    def last_rows(cls, tokens: int, count: int = PROBE_ROWS, keep_all: bool = False) -> "QueryProbe":
+    def last_rows(cls, tokens: int, count: int = PROBE_ROWS, keep_all: bool = False,
+                  keep_residual: bool = False) -> "QueryProbe":
         """The last min(count, tokens // 2) rows (at least one): rows before them stay for
         `tail_kl` to serve from canonical KV."""
         n = max(1, min(count, tokens // 2))
-        return cls(torch.arange(tokens - n, tokens), keep_all=keep_all)
+        return cls(torch.arange(tokens - n, tokens), keep_all=keep_all, keep_residual=keep_residual)
 
     def record(self, layer: int, query: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> None:
         """query: the layer's `[1, Hq, Tq, D]` as the attention receives it."""

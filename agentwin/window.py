@@ -42,13 +42,12 @@ from typing import Sequence
 import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
-from agentwin.guard import QueryProbe
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV
 from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
-from agentwin.window_fit import BUDGET, QUERY_FITS, fit_patch, patch_settings
+from agentwin.window_fit import BUDGET, fit_patch, patch_settings
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp
@@ -84,7 +83,7 @@ class Window:
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
             raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
-        settings = patch_settings(km.layout.family, rank, patch_bytes, storage, guard, max_kl, fit)
+        settings = patch_settings(km, rank, patch_bytes, storage, guard, max_kl, fit)
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -414,11 +413,7 @@ class Window:
         also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
         t0 = time.perf_counter()
         segments = self._segments(antecedent)
-        probe = None
-        if self.settings.probed:  # the guard and max_kl score the last rows; a query-metric fit needs no rows
-            checked = self.guard or self.max_kl is not None
-            probe = QueryProbe.last_rows(int(chunk.ids.numel()), **({} if checked else {"count": 1}),
-                                         keep_all=self.fit in QUERY_FITS)
+        probe = self.settings.probe(int(chunk.ids.numel()))  # None unless the fit or guard reads the pass
         kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
         self._stats.count(kind, int(chunk.ids.numel()))
         self._stats.seconds[kind] += time.perf_counter() - t0

@@ -44,13 +44,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agentwin.guard import fit_to_kl, guard_chunk
+from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
+from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, patch as kp
 from kamera_core.relocate import relocate_keys
 
-FITS = ("svd", "query", "alloc", *kp.OUTPUT_FITS)
-QUERY_FITS = ("query", *kp.OUTPUT_FITS)  # fits that read the queries of the chunk's pass
+RESIDUAL = "residual"
+FITS = ("svd", "query", "alloc", *kp.OUTPUT_FITS, RESIDUAL)
+QUERY_FITS = ("query", *kp.OUTPUT_FITS, RESIDUAL)  # fits that read the queries of the chunk's pass
+OUTPUT_LIKE = (*kp.OUTPUT_FITS, RESIDUAL)  # the allocator on each layer's output error
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
@@ -95,11 +98,21 @@ class PatchSettings:
         """Whether the chunk's pass records queries (and logits) for the fit."""
         return self.rank is not None and (self.guard or self.max_kl is not None or self.fit in QUERY_FITS)
 
+    def probe(self, tokens: int) -> QueryProbe | None:
+        """What a chunk's pass of `tokens` records for the fit: the guard and max_kl score the last
+        rows, a query-metric fit reads every row's queries (and fit="residual" the residual stream)."""
+        if not self.probed:
+            return None
+        checked = self.guard or self.max_kl is not None
+        return QueryProbe.last_rows(tokens, **({} if checked else {"count": 1}), keep_all=self.fit in QUERY_FITS,
+                                    keep_residual=self.fit == RESIDUAL)
 
-def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard: Any, max_kl: Any,
+
+def patch_settings(km: Any, rank: Any, patch_bytes: Any, storage: str, guard: Any, max_kl: Any,
                    fit: str) -> PatchSettings:
-    """Checked settings (ValueError / TypeError saying what to pass). MLA models (`family`) take
-    plain fits with neither guard nor fidelity target."""
+    """Checked settings for the model `km` (ValueError / TypeError saying what to pass). MLA models
+    take plain fits with neither guard nor fidelity target; fit="residual" is refused here for a
+    model whose layers do not show their output projection."""
     if rank is not None and rank != BUDGET and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise ValueError(f"rank must be {BUDGET!r} (ranks from patch_bytes), a positive int or None (exact), "
                          f"got {rank!r}")
@@ -117,13 +130,15 @@ def patch_settings(family: str, rank: Any, patch_bytes: Any, storage: str, guard
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     if storage not in kb.STORAGES:
         raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
-    mla, exact = family == "mla", rank is None
+    mla, exact = km.layout.family == "mla", rank is None
+    if fit == RESIDUAL and not mla and not exact:
+        residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
     fraction = float(patch_bytes if patch_bytes is not None else DEFAULT_PATCH_BYTES) if rank == BUDGET else None
     if guard == AUTO:
         guard = fraction is None or fraction < GUARD_BELOW
     return PatchSettings(rank, fraction, "fp32" if exact else storage, guard and not exact and not mla,
                          None if exact or mla or max_kl is None else float(max_kl),
-                         ("alloc" if fit == "alloc" or fit in kp.OUTPUT_FITS else "svd") if mla else fit)
+                         ("alloc" if fit == "alloc" or fit in OUTPUT_LIKE else "svd") if mla else fit)
 
 
 def query_metrics(km: Any, probe: Any, start: int) -> list[tuple[Any, None]]:
@@ -162,31 +177,49 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
 
 
 def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None,
-                exponent: float = 1.0) -> kp.ChunkPatch:
+                exponent: float = 1.0, value_metrics: list | None = None, norms: list | None = None) -> kp.ChunkPatch:
     """fit="alloc": one decomposition per layer's K and V deficit (`kamera_core.patch.fit_with_gains`),
     the bytes spread by the allocator on the singular values (`kamera_core.budget.budget_ranks`),
     each block's gains normalised by its energy, its factors truncated to its rank and stored as
     `window.storage`. With `metrics` (per layer the K output metric, fit="output"): K fitted in
     it, so a layer's K and V gains share one unit (its attention output's error), and both are
     normalised by the spread of the layer's canonical values to the power `exponent`
-    (`kamera_core.patch.layer_normaliser`: 1 a relative error per layer, 0 an absolute one)."""
+    (`kamera_core.patch.layer_normaliser`: 1 a relative error per layer, 0 an absolute one).
+    With `value_metrics` and `norms` as well (fit="residual"): V fitted in its metric, and both
+    blocks normalised by the layer's `norms` entry instead."""
     tokens, features = _shape(deltas)
     ks = [None] * len(deltas) if metrics is None else metrics
-    full = [(kp.fit_with_gains(dk, mk), kp.fit_with_gains(dv)) for (dk, dv), mk in zip(deltas, ks)]
+    vs = [None] * len(deltas) if value_metrics is None else value_metrics
+    full = [(kp.fit_with_gains(dk, mk), kp.fit_with_gains(dv, mv)) for (dk, dv), mk, mv in zip(deltas, ks, vs)]
     if metrics is None:
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
     else:
-        norms = [kp.layer_normaliser(hv, exponent) for _, hv in held]
+        if norms is None:
+            norms = [kp.layer_normaliser(hv, exponent) for _, hv in held]
         gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
     ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
     name = "alloc" if metrics is None else window.fit
     return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, name, window.storage)
 
 
-def output_metrics(km: Any, probe: Any, start: int, held: Any) -> list:
+def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: list | None = None) -> list:
     """Per layer the K metric of fit="output": the query metric (`query_metrics`) scaled per head
-    by the spread of the chunk's canonical values (`kamera_core.patch.output_metric`)."""
-    return [kp.output_metric(mk, hv) for (mk, _), (_, hv) in zip(query_metrics(km, probe, start), held)]
+    by the spread of the chunk's canonical values (`kamera_core.patch.output_metric`), taken in
+    `value_metrics` where given (fit="residual")."""
+    vs = [None] * len(held) if value_metrics is None else value_metrics
+    return [kp.output_metric(mk, hv, mv) for (mk, _), (_, hv), mv in zip(query_metrics(km, probe, start), held, vs)]
+
+
+def residual_patch(window: Any, deltas: list, held: Any, probe: Any, start: int) -> kp.ChunkPatch:
+    """fit="residual": the allocator on each layer's K and V error where it lands in the residual
+    stream (V in its output projection's metric, `kamera_core.patch.projection_metric`; K in the
+    query metric scaled by the values' spread in it), relative to Σ ||h||² over the chunk's rows
+    entering the layer in the pass (`agentwin.models.residual`)."""
+    km = window.km
+    vms = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
+    norms = residual.residual_norms(probe.residual, len(deltas))
+    return alloc_patch(window, deltas, held, output_metrics(km, probe, start, held, vms), value_metrics=vms,
+                       norms=norms)
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
@@ -205,10 +238,12 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         first = max(1, layer_ranks(window, deltas, held)[0][0])
         patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
     else:
-        if window.fit in kp.OUTPUT_FITS and probed is not None and text:
+        if window.fit == RESIDUAL and probed is not None and text:
+            patch = residual_patch(window, deltas, held, probed[1], start)
+        elif window.fit in kp.OUTPUT_FITS and probed is not None and text:
             patch = alloc_patch(window, deltas, held, output_metrics(km, probed[1], start, held),
                                 kp.OUTPUT_FITS[window.fit])
-        elif window.fit == "alloc" or window.fit in kp.OUTPUT_FITS:
+        elif window.fit == "alloc" or window.fit in OUTPUT_LIKE:
             patch = alloc_patch(window, deltas, held)
         else:
             metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None

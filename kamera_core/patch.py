@@ -218,14 +218,18 @@ def query_second_moment(queries: Tensor, num_kv_heads: int) -> Tensor:
     return torch.einsum("tkgd,tkge->kde", grouped, grouped) / (tq * group)
 
 
-def output_metric(query_metric: Tensor, values: Tensor) -> Tensor:
+def output_metric(query_metric: Tensor, values: Tensor, value_metric: Tensor | None = None) -> Tensor:
     """`[H, D, D]` float64: a K metric in which a key deficit's energy is, to first order, the
-    error it causes in the attention output, in the same unit as the value deficit's plain energy.
+    error it causes in the attention output, in the same unit as the value deficit's energy.
 
     A key error Δk_j shifts the logit of token j by q·Δk_j/√D, which moves p_j by p_j·δs_j (less the
     mean shift) and the output by about p_j·δs_j·(v_j − v̄); a value error moves it by p_j·Δv_j. So
     per head h, E[(q·Δk)²]/D times the spread of the values, E||v − v̄||², is the key error in value
     units: the queries' second moment Σ_h (`query_second_moment`) scaled by spread_h / D.
+
+    With `value_metric` `[H, Dv, Dv]` (per head the metric the value error is measured in, such as
+    `projection_metric`'s, where the output lands in the residual stream) the spread is taken in
+    it too (`value_spread`), so K stays in the unit of V's weighted energy.
 
     query_metric: `[H, D, D]` (one block per KV head); values: the chunk's `[T, H, Dv]` canonical
     values (the spread is taken over its tokens).
@@ -236,16 +240,40 @@ def output_metric(query_metric: Tensor, values: Tensor) -> Tensor:
         raise ValueError(f"query_metric must be [H, D, D], got shape {tuple(m.shape)}")
     if v.dim() != 3 or v.shape[1] != m.shape[0] or v.shape[0] == 0:
         raise ValueError(f"values must be [T, H={m.shape[0]}, Dv] with T > 0, got shape {tuple(v.shape)}")
-    return m * (value_spread(v) / m.shape[-1])[:, None, None]
+    return m * (value_spread(v, value_metric) / m.shape[-1])[:, None, None]
 
 
-def value_spread(values: Tensor) -> Tensor:
+def value_spread(values: Tensor, metric: Tensor | None = None) -> Tensor:
     """`[H]` float64: per head, the mean over tokens of ||v_j − v̄||² for values `[T, H, Dv]`
-    (`output_metric`; summed over heads and tokens, a layer's normaliser in fit="output")."""
+    (`output_metric`; summed over heads and tokens, a layer's normaliser in fit="output"), or of
+    (v_j − v̄)ᵀ·M_h·(v_j − v̄) with `metric` `[H, Dv, Dv]`."""
     v = check_tensor(values, "values").to(torch.float64)
     if v.dim() != 3 or v.shape[0] == 0:
         raise ValueError(f"values must be [T, H, Dv] with T > 0, got shape {tuple(v.shape)}")
-    return (v - v.mean(dim=0)).square().sum(dim=-1).mean(dim=0)
+    c = v - v.mean(dim=0)
+    if metric is None:
+        return c.square().sum(dim=-1).mean(dim=0)
+    m = check_tensor(metric, "metric").to(device=v.device, dtype=torch.float64)
+    if tuple(m.shape) != (v.shape[1], v.shape[2], v.shape[2]):
+        raise ValueError(f"metric must be [H={v.shape[1]}, Dv={v.shape[2]}, Dv], got shape {tuple(m.shape)}")
+    return torch.einsum("thd,hde,the->h", c, m, c) / v.shape[0]
+
+
+def projection_metric(weight: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
+    """`[H, Dv, Dv]` float64: per KV head, Σ_g W_gᵀ·W_g over the query heads g that read it, where
+    W_g `[hidden, Dv]` is query head g's block of the output projection `weight` `[hidden, Hq·Dv]`
+    (heads in order, as the attention output is flattened; query head g reads KV head
+    g // (Hq // H), as transformers' `repeat_kv` expands). A value error Δv of KV head h lands in
+    the residual stream as W_g·p·Δv for each of its query heads, so Δvᵀ·M_h·Δv is its energy there
+    (to first order, with the heads' attention to the token alike): fit="residual" weighs V by it."""
+    w = check_tensor(weight, "weight").detach().to(torch.float64)
+    hkv, dv = check_rank(num_kv_heads, "num_kv_heads"), check_rank(head_dim, "head_dim")
+    if w.dim() != 2 or hkv == 0 or dv == 0 or w.shape[1] % (hkv * dv):
+        raise ValueError(f"weight must be [hidden, Hq*Dv] with Hq a multiple of num_kv_heads={hkv} and "
+                         f"Dv={dv}, got shape {tuple(w.shape)}")
+    blocks = w.reshape(w.shape[0], -1, dv).transpose(0, 1)  # (Hq, hidden, Dv)
+    per_query = blocks.transpose(1, 2) @ blocks  # (Hq, Dv, Dv)
+    return per_query.reshape(hkv, -1, dv, dv).sum(dim=1)
 
 
 # The output fits by the exponent of their per-layer normaliser (`layer_normaliser`): "output"

@@ -20,7 +20,9 @@ from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
 from kamera_core import budget as kb, kv_layout, patch as kp, rope_specs
 
 OUTPUT_METHODS = {f"kamera-{fit}": exponent for fit, exponent in kp.OUTPUT_FITS.items()}
-KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", *OUTPUT_METHODS, "kamera-orbit")
+RESIDUAL_METHOD = "kamera-residual"
+KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", *OUTPUT_METHODS, RESIDUAL_METHOD, "kamera-orbit")
+ALLOC_METHODS = ("kamera-alloc", "kamera-orbit", *OUTPUT_METHODS, RESIDUAL_METHOD)  # the allocator's budgets
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Conditioning:
     deltas: list[tuple[torch.Tensor, torch.Tensor]]
     queries: list[torch.Tensor]
     seconds: float
+    residual: list[torch.Tensor] | None = None  # per layer ||h||² entering it at each of the chunk's rows
 
 
 def conditioning(model: Any, prefix: Sequence[Chunk], chunk: Chunk, canonical: Sequence[LayerKV]) -> Conditioning:
@@ -44,7 +47,7 @@ def conditioning(model: Any, prefix: Sequence[Chunk], chunk: Chunk, canonical: S
     cp = conditioned_pass(model, whole.ids, start, specs, layout, position_ids=position_ids(whole.positions), **mm)
     first = first_position(whole.positions, start)
     local = relocate_kv(cp.chunk_kv(), specs, layout, -first)
-    return Conditioning(kp.deficit(local, canonical), cp.queries, time.perf_counter() - t0)
+    return Conditioning(kp.deficit(local, canonical), cp.queries, time.perf_counter() - t0, cp.residual)
 
 
 def conditionings(model: Any, chunks: Sequence[Chunk], canonical: Sequence[Sequence[LayerKV]]) -> list[Conditioning]:
@@ -71,7 +74,8 @@ def conditionings(model: Any, chunks: Sequence[Chunk], canonical: Sequence[Seque
                    relocate_keys(q[lo - start:hi - start], spec, base - first, backend="torch")
                    for q, spec in zip(cp.queries, specs)]
         out.append(Conditioning(kp.deficit(local, canonical[i]), queries,
-                                seconds * (hi - lo) / (whole.ids.shape[0] - start)))
+                                seconds * (hi - lo) / (whole.ids.shape[0] - start),
+                                [r[lo - start:hi - start] for r in cp.residual]))
         lo = hi
     return out
 
@@ -91,7 +95,8 @@ class PatchFits:
 
 
 def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | None = None,
-               values: Sequence[torch.Tensor] | None = None) -> PatchFits:
+               values: Sequence[torch.Tensor] | None = None,
+               value_metrics: Sequence[torch.Tensor] | None = None) -> PatchFits:
     """Decompose a chunk's deficit (a Conditioning, or plain per-layer deltas for orbit patches)
     for `method`: kamera-svd / kamera-alloc / kamera-orbit plain, kamera-query with K in the
     query second-moment metric of the conditioned pass, kamera-output with K in that metric scaled
@@ -99,18 +104,27 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
     both of a layer's blocks normalised by that layer's values' spread (the allocator then
     compares relative errors of each layer's attention output, as the window's fit="output");
     kamera-output-half and kamera-output-abs by its square root and by 1 (absolute errors;
-    `kp.layer_normaliser`, the window's fit="output-half" and "output-abs")."""
+    `kp.layer_normaliser`, the window's fit="output-half" and "output-abs"); kamera-residual
+    with V in the output projection's `value_metrics` (per layer, `kp.projection_metric`), the
+    spread taken in it, and both blocks normalised by Σ ||h||² of the residual stream entering the
+    layer over the chunk's rows (the window's fit="residual", `agentwin.models.residual`)."""
     deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
     if method not in KAMERA_METHODS:
         raise ValueError(f"unknown patch method {method!r}; choose one of {KAMERA_METHODS}")
+    output = method in OUTPUT_METHODS or method == RESIDUAL_METHOD
     metrics = [(None, None)] * len(deltas)
-    if method == "kamera-query" or method in OUTPUT_METHODS:
+    if method == "kamera-query" or output:
         if not isinstance(cond, Conditioning) or num_kv_heads is None:
             raise ValueError(f"{method} needs the conditioned pass's queries and num_kv_heads")
         metrics = [(kp.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
-    if method in OUTPUT_METHODS:
-        if values is None or len(values) != len(deltas):
-            raise ValueError(f"{method} needs the chunk's canonical values, one tensor per layer")
+    if output and (values is None or len(values) != len(deltas)):
+        raise ValueError(f"{method} needs the chunk's canonical values, one tensor per layer")
+    if method == RESIDUAL_METHOD:
+        if value_metrics is None or len(value_metrics) != len(deltas) or cond.residual is None:
+            raise ValueError(f"{method} needs the output projections' metrics, one per layer, and the "
+                             f"conditioned pass's residual stream")
+        metrics = [(kp.output_metric(mk, v, mv), mv) for (mk, _), v, mv in zip(metrics, values, value_metrics)]
+    elif output:
         metrics = [(kp.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
     full, gains, energy = [], [], []
     for layer, ((dk, dv), (mk, mv)) in enumerate(zip(deltas, metrics)):
@@ -118,6 +132,8 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
         fv, gv, ev = kp.fit_with_gains(dv, mv)
         if method in OUTPUT_METHODS:  # one normaliser per layer: its values' spread
             ek = ev = kp.layer_normaliser(values[layer], OUTPUT_METHODS[method])
+        elif method == RESIDUAL_METHOD:  # or the residual stream's size there
+            ek = ev = float(cond.residual[layer].sum())
         full.append((fk, fv))
         gains.append((gk, gv))
         energy.append((ek, ev))
@@ -130,16 +146,17 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit) or by
     its layer's values' spread (kamera-output)."""
-    alloc = fits.method in ("kamera-alloc", "kamera-orbit", *OUTPUT_METHODS)
+    alloc = fits.method in ALLOC_METHODS
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
     return kp.truncated_patch(fits.full, ranks, fits.method, storage)
 
 
 def fit_patch(cond: Conditioning | Sequence, method: str, budget_bytes: int, storage: str = "fp16",
-              num_kv_heads: int | None = None, values: Sequence[torch.Tensor] | None = None) -> kp.ChunkPatch:
+              num_kv_heads: int | None = None, values: Sequence[torch.Tensor] | None = None,
+              value_metrics: Sequence[torch.Tensor] | None = None) -> kp.ChunkPatch:
     """A patch of at most `budget_bytes` for one chunk's deficit (see `patch_fits`, `patch_at`)."""
-    return patch_at(patch_fits(cond, method, num_kv_heads, values), budget_bytes, storage)
+    return patch_at(patch_fits(cond, method, num_kv_heads, values, value_metrics), budget_bytes, storage)
 
 
 @dataclass

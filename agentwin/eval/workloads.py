@@ -23,10 +23,11 @@ import torch
 
 from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, metrics as mt, selection
 from agentwin.eval.datasets import make_case
+from agentwin.models.residual import projection_metrics
 
 PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output",
                  "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8",
-                 "kamera-output-half-int8", "kamera-output-abs-int8")
+                 "kamera-output-half-int8", "kamera-output-abs-int8", "kamera-residual-int8")
 PAPER = {"cacheblend": 0.15, "epic": 16, "vlcache": 0.05}  # each anchor's published default
 SWEEPS = {"cacheblend": (0.05, 0.10, 0.15, 0.25, 0.40), "epic": (2, 4, 8, 16, 32, 64),
           "vlcache": (0.02, 0.05, 0.10, 0.20, 0.40)}
@@ -95,8 +96,10 @@ def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict
                 source = fits[("orbit-deltas", 0)][i]
             else:
                 source = conds[i]
+            vms = projection_metrics(model, ctx.layout.num_kv_heads, ctx.layout.value_dim) \
+                if method == ek.RESIDUAL_METHOD else None
             fits[(method, i)] = ek.patch_fits(source, method, ctx.layout.num_kv_heads,
-                                              [v for _, v in ctx.canonical[i]])
+                                              [v for _, v in ctx.canonical[i]], vms)
             fit_s[method] = fit_s.get(method, 0.0) + time.perf_counter() - t0
         return fits[(method, i)]
 

@@ -17,10 +17,12 @@ with its `EncoderCache`, so the tower runs once per distinct image.
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence, Union
 
 import torch
 
+from agentwin.models import residual
 from agentwin.models.kv import LayerKV
 from agentwin.models.segments import ATTENTION, SegmentCache, register
 from agentwin.models.vision import (TextChunk, VisionChunk, VisionPreparer, as_chunk, encoder_outputs, is_qwen_vl, vision_features)
@@ -289,11 +291,15 @@ class KameraModel:
         """KV of `chunk` placed at `start` (position units) and token index `first`, read after
         the segments (the in-context or conditioned pass); owned contiguous copies at `start`.
         probe: an `agentwin.guard.QueryProbe` (its rows the chunk's last ones) that records the
-        queries and the next-token logits of those rows."""
+        queries and the next-token logits of those rows (and with `keep_residual` the residual
+        stream's squared norm entering each layer, every row: `agentwin.models.residual`)."""
         cache = self.cache(segments_per_layer, first)
         cache.probe = probe
         rows = 1 if probe is None else max(1, int(probe.rows.numel()))
-        out = self.forward(chunk, start, cache, features, logits_to_keep=rows)
+        with residual.recording(self.model) if probe is not None and probe.keep_residual else nullcontext() as found:
+            out = self.forward(chunk, start, cache, features, logits_to_keep=rows)
+        if found is not None:
+            probe.residual = dict(found)
         if probe is not None:
             probe.logits = out.logits[0, -rows:].float()
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]

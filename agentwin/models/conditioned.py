@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from agentwin.models.kv import LayerKV, extract_kv
+from agentwin.models.residual import recording
 from kamera_core import KVLayout, RopeSpec, relocate_keys
 
 CAPTURE = "kamera_capture"
@@ -102,6 +103,8 @@ class ConditionedPass:
     mass: per layer the mean attention probability each chunk token receives from the chunk's
         own queries, `[T_chunk]` float64.
     logits: the pass's last-position logits `[vocab]`.
+    residual: per layer ||h||² of the residual stream entering it at each chunk row, `[T_chunk]`
+        float64 (`agentwin.models.residual`).
     """
 
     kv: list[LayerKV]
@@ -110,6 +113,7 @@ class ConditionedPass:
     queries: list[torch.Tensor]
     mass: list[torch.Tensor]
     logits: torch.Tensor
+    residual: list[torch.Tensor]
 
     def chunk_kv(self) -> list[LayerKV]:
         """The chunk's KV rows `[T_chunk, ...]`, still at the pass's positions."""
@@ -131,7 +135,8 @@ def conditioned_pass(model: Any, input_ids: torch.Tensor, chunk_start: int, spec
         raise ValueError(f"chunk_start {chunk_start} must lie in [0, {total})")
     if position_ids is None:
         position_ids = torch.arange(total)[None]
-    with capturing(model, chunk_start, total) as rec, torch.no_grad():
+    with capturing(model, chunk_start, total) as rec, recording(model, slice(chunk_start, None)) as found, \
+            torch.no_grad():
         out = model(input_ids=input_ids[None], position_ids=position_ids, use_cache=True, **model_inputs)
     first = int(position_ids.reshape(-1, total)[0, chunk_start])
     queries = []
@@ -148,4 +153,5 @@ def conditioned_pass(model: Any, input_ids: torch.Tensor, chunk_start: int, spec
         queries=queries,
         mass=[rec.mass[layer] for layer in range(len(specs))],
         logits=out.logits[0, -1],
+        residual=[found[layer] for layer in range(len(specs))],
     )

@@ -107,7 +107,7 @@ def _captured(km, win, b):
 
     a_ids, b_ids = km.tokenize(A), km.tokenize(B)
     cp = conditioned_pass(km.model, torch.cat([a_ids, b_ids]), len(a_ids), km.specs, km.layout)
-    return kp.deficit(_local(cp, km), win._chunks[b].canonical), cp.queries
+    return kp.deficit(_local(cp, km), win._chunks[b].canonical), cp.queries, cp.residual
 
 
 def _kv_bytes(kv) -> int:
@@ -124,7 +124,7 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
-@pytest.mark.parametrize("fit", ["alloc", "query", "output", "output-half", "output-abs"])
+@pytest.mark.parametrize("fit", ["alloc", "query", "output", "output-half", "output-abs", "residual"])
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
     `kamera-alloc-int8`, `kamera-query-int8` or `kamera-output-int8` does at that budget
@@ -144,9 +144,13 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     canonical = win._chunks[b].canonical
     budget = int(0.06 * _kv_bytes(canonical))
     assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
-    deltas, queries = _captured(km, win, b)
-    want = eval_fit(Conditioning(deltas, queries, 0.0), f"kamera-{fit}", budget, "int8", km.layout.num_kv_heads,
-                    [v for _, v in canonical])
+    deltas, queries, residual = _captured(km, win, b)
+    decoder = km.model.get_decoder().layers
+    weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
+               for layer in decoder]
+    projections = [kp.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
+    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", budget, "int8",
+                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
     assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
     if fit != "query":
         assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
@@ -176,7 +180,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
     budget = int(0.1 * _kv_bytes(win._chunks[b].canonical))
-    deltas, _ = _captured(km, win, b)
+    deltas, _, _ = _captured(km, win, b)
     assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", budget, "fp16"))
     assert len(set(_ranks(stored))) > 1 and stored.nbytes <= budget
     # A fixed rank with the allocator: the bytes of that rank in every layer, spread.

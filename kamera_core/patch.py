@@ -264,8 +264,9 @@ def projection_metric(weight: Tensor, num_kv_heads: int, head_dim: int) -> Tenso
     W_g `[hidden, Dv]` is query head g's block of the output projection `weight` `[hidden, Hq·Dv]`
     (heads in order, as the attention output is flattened; query head g reads KV head
     g // (Hq // H), as transformers' `repeat_kv` expands). A value error Δv of KV head h lands in
-    the residual stream as W_g·p·Δv for each of its query heads, so Δvᵀ·M_h·Δv is its energy there
-    (to first order, with the heads' attention to the token alike): fit="residual" weighs V by it."""
+    the residual stream as W_g·p_g·Δv through each of its query heads; Δvᵀ·M_h·Δv sums their
+    energies there, the heads taken as independent (no cross terms between the query heads that
+    share the KV head). fit="residual" weighs V by it."""
     w = check_tensor(weight, "weight").detach().to(torch.float64)
     hkv, dv = check_rank(num_kv_heads, "num_kv_heads"), check_rank(head_dim, "head_dim")
     if w.dim() != 2 or hkv == 0 or dv == 0 or w.shape[1] % (hkv * dv):

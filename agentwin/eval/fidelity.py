@@ -6,10 +6,11 @@ re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
 fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
 origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: ranks
 spread over layers and K/V, int8 factors, the patch guard on below 6%), "origin+guard" (the same
-with `guard=True` at every budget), "origin-alloc", "origin-output", "origin-output-half" and
-"origin-output-abs" (the defaults with `Window(fit="alloc")`, `fit="output"` and its variants:
-normalised per block, or by the attention outputs' error relative to each layer's scale, its
-root, or absolute; one of them is the window's default fit), "origin-svd"
+with `guard=True` at every budget), "origin-alloc", "origin-output", "origin-output-half",
+"origin-output-abs" and "origin-residual" (the defaults with `Window(fit="alloc")`,
+`fit="output"` and its variants, `fit="residual"`: normalised per block, or by the attention
+outputs' error relative to each layer's scale, its root, or absolute, or by that error in the
+residual stream relative to the stream's size; one of them is the window's default fit), "origin-svd"
 (the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
 (orbit patches, no extra orders, at that rank). For the rank-based fits `rank_for_budget` turns
 the budget into the largest rank whose fp16 patch (`kamera_core.budget.bytes_per_rank`, every
@@ -50,10 +51,12 @@ HEADLINE = 0.06
 FITS = {"origin": ("origin", "auto", True), "origin+guard": ("origin", True, True),
         "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False),
         "origin-alloc": ("origin", "auto", True), "origin-output": ("origin", "auto", True),
-        "origin-output-half": ("origin", "auto", True), "origin-output-abs": ("origin", "auto", True)}
+        "origin-output-half": ("origin", "auto", True), "origin-output-abs": ("origin", "auto", True),
+        "origin-residual": ("origin", "auto", True)}
 # Window arguments of a by-bytes fit other than the window's default fit (`Window(fit=...)`).
 FIT_ARGS = {"origin-alloc": {"fit": "alloc"}, "origin-output": {"fit": "output"},
-            "origin-output-half": {"fit": "output-half"}, "origin-output-abs": {"fit": "output-abs"}}
+            "origin-output-half": {"fit": "output-half"}, "origin-output-abs": {"fit": "output-abs"},
+            "origin-residual": {"fit": "residual"}}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
 DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-output-half", "origin-output-abs", "origin-svd")
 DEFAULT_FIT = "origin"

@@ -130,6 +130,8 @@ def render_page(result: dict[str, Any]) -> str:
                "its values' spread), relative to that layer's values' spread |"),
               ("| origin-output-half, origin-output-abs | the same with `fit=\"output-half\"` / `\"output-abs\"`: each "
                "layer's error relative to the square root of its values' spread / absolute |"),
+              ("| origin-residual | the same with `fit=\"residual\"`: each block's error where it lands in the residual "
+               "stream (through the layer's output projection), relative to the stream's size there in the pass |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
               ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "

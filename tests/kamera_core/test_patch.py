@@ -418,3 +418,37 @@ def test_layer_normaliser_by_exponent():
     for bad in (-0.5, 2, True, "1"):
         with pytest.raises(ValueError, match="exponent must be"):
             layer_normaliser(values, bad)
+
+
+def test_projection_metric_is_the_residual_energy_of_a_value_error():
+    """Δvᵀ·M_h·Δv equals Σ_g ||W_g·Δv||² over the query heads g that read KV head h (g // group,
+    as repeat_kv), each computed here from an attention output with that head alone set; the spread
+    in that metric is the mean of (v − v̄)ᵀ·M_h·(v − v̄), and the identity metric gives the plain
+    spread and the plain output metric."""
+    from kamera_core.patch import output_metric, projection_metric, query_second_moment, value_spread
+
+    gen = _gen(11)
+    hidden, hq, hkv, dv, t = 10, 6, 2, 4, 9
+    weight = torch.randn(hidden, hq * dv, generator=gen, dtype=torch.float64)
+    m = projection_metric(weight, hkv, dv)
+    assert m.shape == (hkv, dv, dv) and m.dtype == torch.float64
+    for h in range(hkv):
+        dv_err = torch.randn(dv, generator=gen, dtype=torch.float64)
+        per_head = 0.0
+        for g in range(h * (hq // hkv), (h + 1) * (hq // hkv)):  # query head g alone, flattened head-major
+            attn = torch.zeros(hq, dv, dtype=torch.float64)
+            attn[g] = dv_err
+            per_head += float((weight @ attn.reshape(-1)).square().sum())
+        assert float(dv_err @ m[h] @ dv_err) == pytest.approx(per_head, rel=1e-10)
+    values = torch.randn(t, hkv, dv, generator=gen, dtype=torch.float64)
+    c = values - values.mean(0)
+    want = torch.stack([torch.stack([c[j, h] @ m[h] @ c[j, h] for j in range(t)]).mean() for h in range(hkv)])
+    assert torch.allclose(value_spread(values, m), want, rtol=1e-12)
+    eye = torch.eye(dv, dtype=torch.float64).expand(hkv, dv, dv)
+    assert torch.allclose(value_spread(values, eye), value_spread(values), rtol=1e-12)
+    sigma = query_second_moment(torch.randn(5, hq, 3, generator=gen), hkv)
+    assert torch.allclose(output_metric(sigma, values, eye), output_metric(sigma, values), rtol=1e-12)
+    with pytest.raises(ValueError, match="weight must be"):
+        projection_metric(weight[:, :-1], hkv, dv)
+    with pytest.raises(ValueError, match="metric must be"):
+        value_spread(values, m[:, :2])

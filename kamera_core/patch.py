@@ -260,21 +260,20 @@ def value_spread(values: Tensor, metric: Tensor | None = None) -> Tensor:
 
 
 def projection_metric(weight: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
-    """`[H, Dv, Dv]` float64: per KV head, Σ_g W_gᵀ·W_g over the query heads g that read it, where
-    W_g `[hidden, Dv]` is query head g's block of the output projection `weight` `[hidden, Hq·Dv]`
-    (heads in order, as the attention output is flattened; query head g reads KV head
-    g // (Hq // H), as transformers' `repeat_kv` expands). A value error Δv of KV head h lands in
-    the residual stream as W_g·p_g·Δv through each of its query heads; Δvᵀ·M_h·Δv sums their
-    energies there, the heads taken as independent (no cross terms between the query heads that
-    share the KV head). fit="residual" weighs V by it."""
+    """`[H, Dv, Dv]` float64: per KV head h, W̄_hᵀ·W̄_h with W̄_h = Σ_g W_g over the query heads g that
+    read it, where W_g `[hidden, Dv]` is query head g's block of the output projection `weight`
+    `[hidden, Hq·Dv]` (heads in order, as the attention output is flattened; query head g reads KV
+    head g // (Hq // H), as transformers' `repeat_kv` expands). A value error Δv of a token lands
+    in the residual stream as Σ_g W_g·p_g·Δv through the query heads that read it; where they
+    attend to the token alike (and always with one query head per KV head) that is p·W̄_h·Δv, so
+    Δvᵀ·M_h·Δv is its energy there to first order. fit="residual" weighs V by it."""
     w = check_tensor(weight, "weight").detach().to(torch.float64)
     hkv, dv = check_rank(num_kv_heads, "num_kv_heads"), check_rank(head_dim, "head_dim")
     if w.dim() != 2 or hkv == 0 or dv == 0 or w.shape[1] % (hkv * dv):
         raise ValueError(f"weight must be [hidden, Hq*Dv] with Hq a multiple of num_kv_heads={hkv} and "
                          f"Dv={dv}, got shape {tuple(w.shape)}")
-    blocks = w.reshape(w.shape[0], -1, dv).transpose(0, 1)  # (Hq, hidden, Dv)
-    per_query = blocks.transpose(1, 2) @ blocks  # (Hq, Dv, Dv)
-    return per_query.reshape(hkv, -1, dv, dv).sum(dim=1)
+    summed = w.reshape(w.shape[0], hkv, -1, dv).sum(dim=2).transpose(0, 1)  # (H, hidden, Dv): Σ_g W_g
+    return summed.transpose(1, 2) @ summed
 
 
 # The output fits by the exponent of their per-layer normaliser (`layer_normaliser`): "output"

@@ -421,10 +421,10 @@ def test_layer_normaliser_by_exponent():
 
 
 def test_projection_metric_is_the_residual_energy_of_a_value_error():
-    """Δvᵀ·M_h·Δv equals Σ_g ||W_g·Δv||² over the query heads g that read KV head h (g // group,
-    as repeat_kv), each computed here from an attention output with that head alone set; the spread
-    in that metric is the mean of (v − v̄)ᵀ·M_h·(v − v̄), and the identity metric gives the plain
-    spread and the plain output metric."""
+    """Δvᵀ·M_h·Δv equals ||W·a||² for the attention output a (flattened head-major) in which every
+    query head that reads KV head h (g // group, as repeat_kv) carries the same error Δv and the
+    others none; the spread in that metric is the mean of (v − v̄)ᵀ·M_h·(v − v̄), and the identity
+    metric gives the plain spread and the plain output metric."""
     from kamera_core.patch import output_metric, projection_metric, query_second_moment, value_spread
 
     gen = _gen(11)
@@ -434,12 +434,10 @@ def test_projection_metric_is_the_residual_energy_of_a_value_error():
     assert m.shape == (hkv, dv, dv) and m.dtype == torch.float64
     for h in range(hkv):
         dv_err = torch.randn(dv, generator=gen, dtype=torch.float64)
-        per_head = 0.0
-        for g in range(h * (hq // hkv), (h + 1) * (hq // hkv)):  # query head g alone, flattened head-major
-            attn = torch.zeros(hq, dv, dtype=torch.float64)
-            attn[g] = dv_err
-            per_head += float((weight @ attn.reshape(-1)).square().sum())
-        assert float(dv_err @ m[h] @ dv_err) == pytest.approx(per_head, rel=1e-10)
+        attn = torch.zeros(hq, dv, dtype=torch.float64)
+        attn[h * (hq // hkv):(h + 1) * (hq // hkv)] = dv_err
+        assert float(dv_err @ m[h] @ dv_err) == pytest.approx(float((weight @ attn.reshape(-1)).square().sum()),
+                                                              rel=1e-10)
     values = torch.randn(t, hkv, dv, generator=gen, dtype=torch.float64)
     c = values - values.mean(0)
     want = torch.stack([torch.stack([c[j, h] @ m[h] @ c[j, h] for j in range(t)]).mean() for h in range(hkv)])

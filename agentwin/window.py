@@ -62,18 +62,20 @@ class Window:
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-similar",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
-                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "output",
+                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
                  patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a
         disk root) that uses it; default a private RAM-only store. Same content under the same model
         is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
         Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
         default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
-        None (exact); fit "output" (ranks spread over layers and K/V by the error each block
-        leaves in its layer's attention output relative to the layer's, keys in the metric of the
-        chunk's own queries; the default), "output-half" / "output-abs" (the same, each layer's
-        error by the root of its scale / absolute), "alloc" (spread by each block's relative
-        error), "svd" or "query" (one rank everywhere); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
+        None (exact); fit "residual" (the default: ranks spread over layers and K/V by the error
+        each block leaves where its layer's attention output lands in the residual stream,
+        through the layer's output projection, relative to the stream's size there in the chunk's
+        pass; keys in the metric of the chunk's own queries), "output" (the same in the attention
+        output itself, relative to the layer's), "output-half" / "output-abs" (each layer's
+        error by the root of its scale / absolute), "alloc" (spread by each block's relative error), "svd"
+        or "query" (one rank everywhere); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
         exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
         alone was measured worse than blind reuse, and for rank=N windows; off at the default
         budget, where it changed nothing measured and costs a document step 20-70% more,

@@ -17,6 +17,13 @@ settings (`PatchSettings`):
   layer's gains normalised by its values' spread (`kamera_core.patch.value_spread`), so the ranks
   go where a layer's output moves most for its size. Text chunks only; others (and MLA models)
   take `fit="alloc"`;
+- `fit="residual"`: as "output", each block's error taken where it lands in the residual stream:
+  V in the metric of the layer's output projection (`kamera_core.patch.projection_metric`), K in
+  the query metric scaled by the values' spread in that metric, and each layer's gains relative to
+  Σ ||h||² of the residual stream entering the layer over the chunk's rows, recorded in the same
+  pass (`agentwin.models.residual`): every later read of the stream is normalised by its size.
+  Text chunks only; others (and MLA models) take `fit="alloc"`; a model whose layers show no
+  output projection is refused when the window is built;
 - `fit="query"`: the same rank everywhere, K fitted in the metric of the second moment of the
   queries the pass computed for all of the chunk's rows, moved into the chunk-local frame, V
   plainly. Text chunks only (a vision chunk's multi-axis positions are not one rotation back);

@@ -58,7 +58,7 @@ FIT_ARGS = {"origin-alloc": {"fit": "alloc"}, "origin-output": {"fit": "output"}
             "origin-output-half": {"fit": "output-half"}, "origin-output-abs": {"fit": "output-abs"},
             "origin-residual": {"fit": "residual"}}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
-DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-output-half", "origin-output-abs", "origin-svd")
+DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-output", "origin-output-abs", "origin-svd")
 DEFAULT_FIT = "origin"
 # `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
 # window's default threshold is `agentwin.policies.SIMILAR`).

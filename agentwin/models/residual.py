@@ -47,20 +47,27 @@ def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[to
     for i, layer in enumerate(decoder_layers(model)):
         weight = _projection(layer)
         if weight is None:
-            raise ResidualUnsupported(f"decoder layer {i} of {type(model).__name__} has neither self_attn.o_proj nor "
-                                      f"attention.dense; fit='residual' cannot weigh its output: use fit='output'")
+            raise ResidualUnsupported(f"decoder layer {i} of {type(model).__name__} shows no attention output "
+                                      f"projection (self_attn.o_proj, attention.dense, ...); fit='residual' cannot "
+                                      f"weigh its output: use fit='output'")
         with torch.no_grad():
             out.append(kp.projection_metric(weight.detach(), num_kv_heads, value_dim))
     _METRICS[model] = out
     return out
 
 
+# (attention module, output projection) names across the RoPE families transformers ships.
+_PROJECTIONS = tuple((a, p) for a in ("self_attn", "attention", "self_attention", "attn")
+                     for p in ("o_proj", "dense", "out_proj"))
+
+
 def _projection(layer: Any) -> torch.Tensor | None:
     """The attention's output projection weight `[hidden, Hq·Dv]`: `self_attn.o_proj` (Llama,
-    Qwen, Gemma, Mistral families) or `attention.dense` (GPT-NeoX)."""
-    for attention, name in (("self_attn", "o_proj"), ("attention", "dense")):
-        weight = getattr(getattr(getattr(layer, attention, None), name, None), "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+    Qwen, Gemma, Mistral families), `attention.dense` (GPT-NeoX), and the like."""
+    for attention, name in _PROJECTIONS:
+        module = getattr(getattr(layer, attention, None), name, None)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             return weight
     return None
 

@@ -127,7 +127,7 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 @pytest.mark.parametrize("fit", ["alloc", "query", "output", "output-half", "output-abs", "residual"])
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
-    `kamera-alloc-int8`, `kamera-query-int8` or `kamera-output-int8` does at that budget
+    `kamera-alloc-int8`, `kamera-query-int8`, `kamera-output-int8` or `kamera-residual-int8` does at that budget
     (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
     corrected KV. The patch guard then keeps each layer's key or value patch of that fit as
     fitted or drops it, never changes it."""
@@ -135,7 +135,7 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     from kamera_core import patch as kp
 
     km = _km(name)
-    args = {} if fit == "output" else {"fit": fit}  # output: the default
+    args = {} if fit == "residual" else {"fit": fit}  # residual: the default
     win = Window(km, budget_tokens=4096, **args)  # the default: no guard at 6%
     assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
     win.append(A)

@@ -10,7 +10,7 @@ settings (`PatchSettings`):
   allocator on each block's singular values normalised by its energy
   (`kamera_core.budget.budget_ranks`), so layers whose deficit is concentrated get the ranks;
 - `fit="svd"`: the same rank in every layer's K and V, plain truncated SVD (the Frobenius fit);
-- `fit="output"` (the default): the allocator on the first-order error each block's deficit
+- `fit="output"`: the allocator on the first-order error each block's deficit
   leaves in its layer's attention output (`kamera_core.patch.output_metric`): K in the metric of
   the queries the pass computed for the chunk's rows (as `fit="query"`) scaled per head by the
   spread of the chunk's values over D, V plainly, so K and V of a layer share one unit; each
@@ -36,11 +36,11 @@ settings (`PatchSettings`):
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
 (`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
-`eval_smollm2.json`): `kamera-output-int8`, with the lowest mean validation rank over the 5
-groups (2.8; alloc-int8 and svd-int8 3.2, query-int8 3.4, output-half-int8 4.2, output-abs-int8
-5.6). `output-abs` tops both binding conditions (gap 0.95 / 0.92 on test at 6%) but ranks last of
-the int8 fits on all three SmolLM2 traces (validation KL 2.3-15x the best there); the SmolLM2
-traces went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test holds the
+`eval_smollm2.json`): `kamera-residual-int8`, with the lowest mean validation rank over the 5
+groups (3.0; output-int8 3.2, alloc-int8, svd-int8 and query-int8 3.8, output-half-int8 5.2,
+output-abs-int8 6.6). It tops both binding conditions (gap 0.97 / 0.93 on test at 6%); on the
+SmolLM2 traces its validation KL is 1.2-2.9x the best int8 fit's (output-int8 1.2-2.7x), which
+went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test holds the
 defaults to that choice. The ranks come from the same function the evaluation
 fits its Kamera methods with, so the window serves the fit that was measured.
 """
@@ -69,7 +69,7 @@ AUTO = "auto"
 # on SmolLM2's four hard cases (its budgets are shares of B's KV at fp16: on the float32 model the
 # window's patch_bytes is half of each): without the guard the allocator read worse than blind
 # reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042), the output
-# fit at no budget; at this budget (the study's 12%) and above neither did and the guard changed
+# and residual fits at no budget; at this budget (the study's 12%) and above neither did and the guard changed
 # no case's KL, while it costs a
 # document step 20-70% more (`agentwin bench steps` with and without `--guard`, six runs each:
 # 1.9-2.4 s against 2.3-3.2 s).

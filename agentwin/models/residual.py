@@ -39,8 +39,8 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[torch.Tensor]:
-    """Per layer `kamera_core.patch.projection_metric` of its attention's `o_proj` (computed once
-    per model, float64)."""
+    """Per layer `kamera_core.patch.projection_metric` of its attention's output projection
+    (computed once per model, float64; `ResidualUnsupported` where a layer shows none)."""
     if model in _METRICS:
         return _METRICS[model]
     out = []

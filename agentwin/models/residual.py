@@ -50,8 +50,7 @@ def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[to
             raise ResidualUnsupported(f"decoder layer {i} of {type(model).__name__} shows no attention output "
                                       f"projection (self_attn.o_proj, attention.dense, ...); fit='residual' cannot "
                                       f"weigh its output: use fit='output'")
-        with torch.no_grad():
-            out.append(kp.projection_metric(weight.detach(), num_kv_heads, value_dim))
+        out.append(kp.projection_metric(weight, num_kv_heads, value_dim))  # it detaches the weight
     _METRICS[model] = out
     return out
 

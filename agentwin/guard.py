@@ -166,7 +166,7 @@ def _head(lp: kp.LayerPatch | None, rows: int) -> kp.LayerPatch | None:
         return None
 
     def cut(f: kp.Factors | None) -> kp.Factors | None:
-        return None if f is None else kp.Factors(f.u[:rows], f.vt, f.u_scale, f.vt_scale)
+        return None if f is None else f.first_rows(rows)
 
     return kp.LayerPatch(cut(lp.k), cut(lp.v))
 

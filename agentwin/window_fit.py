@@ -61,6 +61,7 @@ RESIDUAL = "residual"
 FITS = ("svd", "query", "alloc", *kp.OUTPUT_FITS, RESIDUAL)
 QUERY_FITS = ("query", *kp.OUTPUT_FITS, RESIDUAL)  # fits that read the queries of the chunk's pass
 OUTPUT_LIKE = (*kp.OUTPUT_FITS, RESIDUAL)  # the allocator on each layer's output error
+ALLOCATING = ("alloc", *OUTPUT_LIKE)  # fits whose ranks come from the byte allocator
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
@@ -137,6 +138,9 @@ def patch_settings(km: Any, rank: Any, patch_bytes: Any, storage: str, guard: An
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     if storage not in kb.STORAGES:
         raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
+    if storage == kb.MIXED and rank is not None and (rank != BUDGET or fit not in ALLOCATING):
+        raise ValueError(f"storage='mixed' is chosen per component by the allocator: it needs rank='budget' and fit "
+                         f"one of {ALLOCATING}, got rank={rank!r}, fit={fit!r}; pass storage='int8' instead")
     mla, exact = km.layout.family == "mla", rank is None
     if fit == RESIDUAL and not mla and not exact:
         residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
@@ -180,7 +184,8 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
     if window.rank != BUDGET:
         return [(window.rank, window.rank)] * len(deltas)
     tokens, features = _shape(deltas)
-    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage)
+    storage = "int8" if window.storage == kb.MIXED else window.storage  # max_kl's ladder under mixed storage
+    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), storage)
 
 
 def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None,
@@ -204,9 +209,12 @@ def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = Non
         if norms is None:
             norms = [kp.layer_normaliser(hv, exponent) for _, hv in held]
         gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
-    ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
     name = "alloc" if metrics is None else window.fit
-    return kp.truncated_patch([(fk, fv) for (fk, _, _), (fv, _, _) in full], ranks, name, window.storage)
+    factors = [(fk, fv) for (fk, _, _), (fv, _, _) in full]
+    if window.storage == kb.MIXED:
+        return kp.mixed_patch(factors, gains, list(zip(ks, vs)), _bytes(window, tokens, features, held), name)
+    ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
+    return kp.truncated_patch(factors, ranks, name, window.storage)
 
 
 def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: list | None = None) -> list:
@@ -243,7 +251,8 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
         first = max(1, layer_ranks(window, deltas, held)[0][0])
-        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, window.storage, window.max_kl, start, *probed)
+        storage = "int8" if window.storage == kb.MIXED else window.storage  # its ladder is one rank everywhere
+        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, storage, window.max_kl, start, *probed)
     else:
         if window.fit == RESIDUAL and probed is not None and text:
             patch = residual_patch(window, deltas, held, probed[1], start)

@@ -4,7 +4,7 @@ Layout: token-major `[tokens, num_kv_heads, head_dim]` per layer; MLA `[tokens, 
 and `[tokens, rope_dim]`. See rope.py for the RoPE families and relocate.py for the math.
 """
 
-from kamera_core.budget import allocate_ranks, bytes_per_rank
+from kamera_core.budget import allocate_ranks, budget_mixed, bytes_per_rank, mixed_bytes
 from kamera_core.patch import (
     ChunkPatch,
     Factors,
@@ -21,7 +21,9 @@ from kamera_core.patch import (
     orbit_deficit,
     output_metric,
     layer_normaliser,
+    mixed_patch,
     OUTPUT_FITS,
+    quantisation_errors,
     query_second_moment,
     quantize,
     value_spread,
@@ -56,7 +58,11 @@ __all__ = [
     "build_patch",
     "exact_patch",
     "identity_factors",
+    "budget_mixed",
     "bytes_per_rank",
+    "mixed_bytes",
+    "mixed_patch",
+    "quantisation_errors",
     "deficit",
     "fit",
     "fit_with_gains",

@@ -17,7 +17,8 @@ import torch
 Tensor = torch.Tensor
 
 FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-STORAGES = ("fp32", "fp16", "bf16", "int8")
+MIXED = "mixed"  # int8 for a block's leading components, 4 bits for the rest (`budget_mixed`)
+STORAGES = ("fp32", "fp16", "bf16", "int8", MIXED)
 
 
 def check_tensor(x: object, what: str) -> Tensor:
@@ -40,6 +41,8 @@ def bytes_per_rank(num_tokens: int, feature_size: int, storage: str) -> int:
     """Exact bytes one more rank costs: one column of u `[T]` plus one row of vt `[F]`, and for
     int8 its two float32 scales: (T + F)·itemsize, or (T + F) + 8 for "int8"."""
     t, f = check_rank(num_tokens, "num_tokens"), check_rank(feature_size, "feature_size")
+    if storage == MIXED:
+        raise ValueError("mixed storage has no single cost per rank (see mixed_bytes); its ranks come from budget_mixed")
     if storage == "int8":
         return t + f + 2 * 4
     if storage not in FLOAT_STORAGE:
@@ -132,3 +135,81 @@ def budget_ranks(
         return [(0, 0)] * len(costs)
     alloc = allocate_ranks(candidates, budget)
     return [(alloc[(layer, 0)], alloc[(layer, 1)]) for layer in range(len(costs))]
+
+
+def mixed_bytes(num_tokens: int, feature_size: int, rank: int, int8_rank: int) -> int:
+    """Exact bytes of a "mixed" block of `rank` components, the first `int8_rank` in int8: those
+    cost (T + F) + 8 each; the 4-bit ones (T + F) per packed pair (an odd one takes a whole pair)
+    plus 8 each for their scales."""
+    t, f, r, h = (check_rank(x, n) for x, n in ((num_tokens, "num_tokens"), (feature_size, "feature_size"),
+                                                 (rank, "rank"), (int8_rank, "int8_rank")))
+    if h > r:
+        raise ValueError(f"int8_rank {h} exceeds rank {r}")
+    return h * (t + f + 8) + (r - h + 1) // 2 * (t + f) + 8 * (r - h)
+
+
+def budget_mixed(
+    num_tokens: int,
+    features: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    budget_bytes: int,
+    gains: list[tuple[tuple[Tensor, float], tuple[Tensor, float]]],
+    errors: list[tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]],
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per layer `((K rank, K int8 rank), (V rank, V int8 rank))` of a "mixed" patch within
+    `budget_bytes`: which components to keep, and which of them in int8 rather than 4 bits.
+
+    gains: as `budget_ranks` (σ² per component, normaliser). errors: per layer and K/V the error
+    each component adds when stored in 8 and in 4 bits, `(e8 [n], e4 [n])` in σ²'s unit
+    (`kamera_core.patch.quantisation_errors`). A greedy over two kinds of step, by gain per byte:
+    keep the next component in 4 bits (gain σ² − e4, about (T + F)/2 + 8 bytes), or move the next
+    4-bit component of a block into int8 (gain e4 − e8, about (T + F)/2 more). The int8 components
+    are always a block's leading ones. Each step is charged its exact bytes (`mixed_bytes`); a
+    step that no longer fits ends that kind of step for its block.
+    """
+    if len(gains) != len(features) or len(errors) != len(features):
+        raise ValueError(f"gains ({len(gains)}) and errors ({len(errors)}) need one entry per layer ({len(features)})")
+    t = check_rank(num_tokens, "num_tokens")
+    left = check_rank(budget_bytes, "budget_bytes")
+    blocks = []  # (feature size, gains, e8, e4, normaliser)
+    for layer, (feats, pair, errs) in enumerate(zip(features, gains, errors)):
+        for slot in (0, 1):
+            g, norm = pair[slot]
+            e8, e4 = (check_tensor(e, f"errors of layer {layer}").detach().to("cpu", torch.float64).flatten()
+                      for e in errs[slot])
+            g = check_tensor(g, f"gains of layer {layer}").detach().to("cpu", torch.float64).flatten()
+            if len(e8) < len(g) or len(e4) < len(g):
+                raise ValueError(f"layer {layer}: errors cover {min(len(e8), len(e4))} of {len(g)} components")
+            if not (math.isfinite(norm) and norm > 0):
+                raise ValueError(f"normaliser of layer {layer} must be positive and finite, got {norm!r}")
+            blocks.append((check_rank(feats[slot], "feature size"), g.tolist(), e8.tolist(), e4.tolist(), float(norm)))
+    rank, head, version = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
+    open_buy, open_up = [True] * len(blocks), [True] * len(blocks)
+    heap: list[tuple[float, int, int, int]] = []  # (−gain per byte, block, kind 0 buy / 1 upgrade, version)
+
+    def push(i: int) -> None:
+        f, g, e8, e4, norm = blocks[i]
+        half = (t + f) / 2
+        r, h = rank[i], head[i]
+        if open_buy[i] and r < len(g) and g[r] - e4[r] > 0:
+            heapq.heappush(heap, (-(g[r] - e4[r]) / norm / (half + 8), i, 0, version[i]))
+        if open_up[i] and h < r and e4[h] - e8[h] > 0:
+            heapq.heappush(heap, (-(e4[h] - e8[h]) / norm / half, i, 1, version[i]))
+
+    for i in range(len(blocks)):
+        push(i)
+    while heap:
+        _, i, kind, ver = heapq.heappop(heap)
+        if ver != version[i]:
+            continue
+        f, r, h = blocks[i][0], rank[i], head[i]
+        after = (r + 1, h) if kind == 0 else (r, h + 1)
+        cost = mixed_bytes(t, f, *after) - mixed_bytes(t, f, r, h)
+        if cost > left:
+            (open_buy if kind == 0 else open_up)[i] = False
+        else:
+            left -= cost
+            rank[i], head[i] = after
+        version[i] += 1
+        push(i)
+    pairs = list(zip(rank, head))
+    return [(pairs[2 * layer], pairs[2 * layer + 1]) for layer in range(len(features))]

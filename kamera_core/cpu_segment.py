@@ -139,7 +139,7 @@ def _factors(f: Factors | None) -> tuple[Tensor, Tensor] | None:
     if f is None:
         return None
     u, vt = f.u, f.vt
-    if u.shape[1] == 0:
+    if f.rank == 0:
         return None
     if f.u_scale is not None or u.dtype != torch.float32 or vt.dtype != torch.float32:
         u, vt = f.factors(torch.float32)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kamera_core.budget import FLOAT_STORAGE, STORAGES, check_rank, check_tensor
+from kamera_core import quant
+from kamera_core.budget import FLOAT_STORAGE, MIXED, STORAGES, budget_mixed, check_rank, check_tensor
 
 Tensor = torch.Tensor
 
@@ -45,6 +46,10 @@ class Factors:
     Float form: `u [T, m]` and `vt [m, *F]` of one floating dtype (fp32/fp16/bf16), no scales.
     Int8 form: `u`, `vt` int8 with per-rank float32 scales `u_scale [m]` (column j of u) and
     `vt_scale [m]` (row j of vt); the value is `u[:, j]·u_scale[j]` etc.
+    Mixed form (storage "mixed"): the int8 form for the first m8 components (`u [T, m8]`,
+    `vt [m8, *F]`) and 4-bit codes for the next m4, packed two components to a byte
+    (`u4 [T, ⌈m4/2⌉]`, `vt4 [⌈m4/2⌉, *F]` uint8, `kamera_core.quant`); `u_scale`, `vt_scale` hold
+    all m8 + m4 scales, the int8 ones first.
     Components are ordered by decreasing gain when produced by `fit`.
     """
 
@@ -52,6 +57,8 @@ class Factors:
     vt: Tensor
     u_scale: Tensor | None = None
     vt_scale: Tensor | None = None
+    u4: Tensor | None = None
+    vt4: Tensor | None = None
 
     def __post_init__(self) -> None:
         u, vt = check_tensor(self.u, "Factors.u"), check_tensor(self.vt, "Factors.vt")
@@ -62,34 +69,65 @@ class Factors:
         if u.dtype != vt.dtype:
             raise TypeError(f"Factors.u ({u.dtype}) and vt ({vt.dtype}) must share a dtype")
         scales = (self.u_scale, self.vt_scale)
+        if (self.u4 is None) != (self.vt4 is None):
+            raise ValueError("Factors.u4 and vt4 come together")
         if u.dtype == torch.int8:
+            m = u.shape[1] + self._tail_rank_checked()
             for name, s in zip(("u_scale", "vt_scale"), scales):
-                if not isinstance(s, Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (u.shape[1],):
+                if not isinstance(s, Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (m,):
                     got = tuple(s.shape) if isinstance(s, Tensor) else s
-                    raise ValueError(f"int8 Factors need float32 {name} of shape [{u.shape[1]}], got {got}")
+                    raise ValueError(f"int8 Factors need float32 {name} of shape [{m}], got {got}")
         elif not u.is_floating_point():
             raise TypeError(f"Factors.u must be floating point or int8, got {u.dtype}")
-        elif any(s is not None for s in scales):
-            raise ValueError("scales are only for int8 Factors; float factors carry none")
+        elif any(s is not None for s in (*scales, self.u4)):
+            raise ValueError("scales are only for int8 Factors (4-bit parts only for mixed ones); float factors carry none")
+
+    def _tail_rank_checked(self) -> int:
+        """m4 from the scales' length, after checking the packed tail's shapes against it."""
+        if self.u4 is None:
+            return 0
+        u4, vt4 = check_tensor(self.u4, "Factors.u4"), check_tensor(self.vt4, "Factors.vt4")
+        total = self.u_scale.shape[0] if isinstance(self.u_scale, Tensor) and self.u_scale.dim() == 1 else -1
+        m4 = total - self.u.shape[1]
+        if u4.dtype != torch.uint8 or vt4.dtype != torch.uint8 or m4 < 1:
+            raise ValueError(f"Factors.u4 / vt4 must be uint8 with scales for at least one 4-bit component, got "
+                             f"{u4.dtype} / {vt4.dtype} and {total} scales for {self.u.shape[1]} int8 components")
+        packed = quant.packed_size(m4)
+        if tuple(u4.shape) != (self.u.shape[0], packed) or tuple(vt4.shape) != (packed, *self.vt.shape[1:]):
+            raise ValueError(f"Factors.u4 must be [{self.u.shape[0]}, {packed}] and vt4 [{packed}, "
+                             f"{', '.join(map(str, self.vt.shape[1:]))}] for {m4} 4-bit components, got "
+                             f"{tuple(u4.shape)} and {tuple(vt4.shape)}")
+        return m4
+
+    @property
+    def int4_rank(self) -> int:
+        """Components held in 4 bits (the mixed form's tail; 0 otherwise)."""
+        return 0 if self.u4 is None else int(self.u_scale.shape[0]) - int(self.u.shape[1])
 
     @property
     def rank(self) -> int:
-        return int(self.u.shape[1])
+        return int(self.u.shape[1]) + self.int4_rank
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes of the stored tensors (u, vt and, for int8, both scales)."""
-        parts = [t for t in (self.u, self.vt, self.u_scale, self.vt_scale) if t is not None]
+        """Exact bytes of the stored tensors (u, vt and, for int8, both scales and the 4-bit tail)."""
+        parts = [t for t in (self.u, self.vt, self.u_scale, self.vt_scale, self.u4, self.vt4) if t is not None]
         return sum(t.numel() * t.element_size() for t in parts)
 
     def factors(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """Dequantised `(u [T, m], vt [m, *F])` in `dtype` (int8 scaling done in ≥ float32)."""
         if self.u_scale is None:
             return self.u.to(dtype), self.vt.to(dtype)
-        compute = torch.promote_types(dtype, torch.float32)
-        u = self.u.to(compute) * self.u_scale.to(compute)
-        vt_scale = self.vt_scale.to(compute).reshape(-1, *([1] * (self.vt.dim() - 1)))  # (m, 1, ...)
-        return u.to(dtype), (self.vt.to(compute) * vt_scale).to(dtype)
+        u, vt = self._codes()
+        return quant.dequantise(u, self.u_scale, 1, dtype), quant.dequantise(vt, self.vt_scale, 0, dtype)
+
+    def _codes(self) -> tuple[Tensor, Tensor]:
+        """The integer codes of every component, `(u [T, m], vt [m, *F])` int8 (int form only)."""
+        if self.u4 is None:
+            return self.u, self.vt
+        m4 = self.int4_rank
+        return (torch.cat([self.u, quant.unpack4(self.u4, m4, 1)], dim=1),
+                torch.cat([self.vt, quant.unpack4(self.vt4, m4, 0)], dim=0))
 
     def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The patch `u·vt` as a dense `[T, *F]` tensor of `dtype` (a zero tensor at rank 0)."""
@@ -102,8 +140,19 @@ class Factors:
         r = check_rank(rank)
         if r > self.rank:
             raise ValueError(f"cannot truncate rank {self.rank} factors to rank {r}")
+        head = min(r, int(self.u.shape[1]))
         cut = [None if t is None else t[..., :r].clone() for t in (self.u_scale, self.vt_scale)]
-        return Factors(self.u[:, :r].clone(), self.vt[:r].clone(), *cut)
+        if r <= head:
+            return Factors(self.u[:, :r].clone(), self.vt[:r].clone(), *cut)
+        tail = r - head
+        u4 = quant.pack4(quant.unpack4(self.u4, self.int4_rank, 1)[:, :tail], 1)
+        vt4 = quant.pack4(quant.unpack4(self.vt4, self.int4_rank, 0)[:tail], 0)
+        return Factors(self.u.clone(), self.vt.clone(), *cut, u4, vt4)
+
+    def first_rows(self, rows: int) -> Factors:
+        """The patch of the first `rows` tokens only (views; what a shorter prefix of the chunk sees)."""
+        u4 = None if self.u4 is None else self.u4[:rows]
+        return Factors(self.u[:rows], self.vt, self.u_scale, self.vt_scale, u4, self.vt4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,10 +509,12 @@ def gains(delta: Tensor, metric: Tensor | None = None, row_weights: Tensor | Non
     return s2[: min(xw.shape)], float(xw.square().sum())
 
 
-def quantize(f: Factors, storage: str) -> Factors:
-    """Factors in a storage form: "fp32" | "fp16" | "bf16" (cast) or "int8" (per-rank symmetric:
+def quantize(f: Factors, storage: str, int8_rank: int | None = None) -> Factors:
+    """Factors in a storage form: "fp32" | "fp16" | "bf16" (cast), "int8" (per-rank symmetric:
     column j of u scaled by max|u[:, j]|/127, row j of vt by max|vt[j]|/127, round to nearest;
-    scales float32). Int8 input is dequantised first. fp16 overflow raises ValueError."""
+    scales float32) or "mixed" (the first `int8_rank` components so, the rest in 4 bits with
+    scales max/7, packed; `int8_rank` None: all in int8). Int input is dequantised first.
+    fp16 overflow raises ValueError."""
     if not isinstance(f, Factors):
         raise TypeError(f"quantize expects Factors, got {type(f).__name__}")
     if storage in FLOAT_STORAGE:
@@ -471,15 +522,50 @@ def quantize(f: Factors, storage: str) -> Factors:
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(vt).all())):
             raise ValueError(f"factors overflow {storage}; use 'bf16' or 'int8'")
         return Factors(u, vt)
-    if storage != "int8":
+    if storage not in ("int8", MIXED):
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    head = f.rank if storage == "int8" or int8_rank is None else min(check_rank(int8_rank, "int8_rank"), f.rank)
     u, vt = f.factors(torch.float32)
-    vt_flat = vt.reshape(f.rank, math.prod(vt.shape[1:]))  # (m, F)
-    u_scale, vt_scale = u.abs().amax(dim=0) / 127, vt_flat.abs().amax(dim=1) / 127
-    # An all-zero component has scale 0: divide by 1 instead so it quantises to 0, not NaN.
-    qu = (u / torch.where(u_scale > 0, u_scale, 1.0)).round().clamp(-127, 127).to(torch.int8)
-    qvt = (vt_flat / torch.where(vt_scale > 0, vt_scale, 1.0)[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Factors(qu, qvt.reshape(vt.shape), u_scale.float(), vt_scale.float())
+    qu, u_scale = quant.quantise(u[:, :head], 8, 1)
+    qvt, vt_scale = quant.quantise(vt[:head], 8, 0)
+    if head == f.rank:
+        return Factors(qu, qvt, u_scale, vt_scale)
+    tu, tu_scale = quant.quantise(u[:, head:], 4, 1)
+    tvt, tvt_scale = quant.quantise(vt[head:], 4, 0)
+    return Factors(qu, qvt, torch.cat([u_scale, tu_scale]), torch.cat([vt_scale, tvt_scale]),
+                   quant.pack4(tu, 1), quant.pack4(tvt, 0))
+
+
+def quantisation_errors(f: Factors, metric: Tensor | None = None) -> dict[int, Tensor]:
+    """Per component j of float `f` (as `fit_with_gains` returns it, in the same metric), the
+    weighted squared error `||ũ_j ṽ_jᵀ − u_j v_jᵀ||²` that storing it in 8 and in 4 bits adds:
+    {8: `[m]`, 4: `[m]`} float64, in the unit of the fit's gains σ². With W·Wᵀ the ridged metric,
+    ||a bᵀ − c dᵀ||² = |a|²|bW|² + |c|²|dW|² − 2(a·c)(bW·dW), exact for each component (the
+    components' errors add up to the patch's only as far as they are uncorrelated)."""
+    u, vt = f.factors(torch.float64)
+    m = f.rank
+    flat = vt.reshape(m, -1)
+
+    root = None
+    if metric is not None:
+        mt = check_tensor(metric, "metric").to(u.device)
+        mt = mt if mt.dim() == 3 else mt.unsqueeze(0)
+        root, _ = _metric_sqrt(mt, mt.shape[0], mt.shape[1])
+
+    def weigh(x: Tensor) -> Tensor:  # rows of vt in the metric's root
+        if root is None:
+            return x
+        return torch.einsum("mhd,hde->mhe", x.reshape(m, root.shape[0], root.shape[1]), root).reshape(m, -1)
+
+    vw = weigh(flat)
+    out = {}
+    for bits in (8, 4):
+        qu = quant.dequantise(*quant.quantise(u.float(), bits, 1), 1, torch.float64)
+        qv = weigh(quant.dequantise(*quant.quantise(flat.float(), bits, 0), 0, torch.float64))
+        err = ((qu * qu).sum(0) * (qv * qv).sum(1) + (u * u).sum(0) * (vw * vw).sum(1)
+               - 2 * (qu * u).sum(0) * (qv * vw).sum(1))
+        out[bits] = err.clamp_min(0)
+    return out
 
 
 def build_patch(
@@ -496,6 +582,9 @@ def build_patch(
     layers = _pairs(deltas, "deltas")
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if storage == MIXED:
+        raise ValueError("mixed storage is chosen per component by the allocator (truncated_patch with "
+                         "int8_ranks); build_patch takes 'int8' or a float storage")
     for name, seq in (("ranks", ranks), ("metrics", metrics), ("row_weights", row_weights)):
         if seq is not None and len(seq) != len(layers):
             raise ValueError(f"{name} has {len(seq)} entries for {len(layers)} layers")
@@ -537,13 +626,37 @@ def apply_patch(kv: Sequence[tuple[Tensor, Tensor]], patch: ChunkPatch) -> list[
 
 
 def truncated_patch(full: Sequence[tuple[Factors, Factors]], ranks: Sequence[tuple[int, int]], method: str,
-                    storage: str = "fp16") -> ChunkPatch:
+                    storage: str = "fp16", int8_ranks: Sequence[tuple[int, int]] | None = None) -> ChunkPatch:
     """A patch from full-rank factors ordered by gain (`fit_with_gains`): each layer's K and V
-    cut to its `(k rank, v rank)` (0: none) and stored as `storage`."""
+    cut to its `(k rank, v rank)` (0: none) and stored as `storage`; for "mixed", `int8_ranks`
+    gives per layer how many of those components stay in int8 (`kamera_core.budget.budget_mixed`)."""
     if len(full) != len(ranks):
         raise ValueError(f"ranks has {len(ranks)} entries for {len(full)} layers")
+    if storage == MIXED and (int8_ranks is None or len(int8_ranks) != len(ranks)):
+        raise ValueError("mixed storage needs int8_ranks, one (k, v) pair per layer")
+    heads = int8_ranks if storage == MIXED else [(None, None)] * len(ranks)
 
-    def cut(f: Factors, r: int) -> Factors | None:
-        return quantize(f.truncate(min(r, f.rank)), storage) if r else None
+    def cut(f: Factors, r: int, head: int | None) -> Factors | None:
+        return quantize(f.truncate(min(r, f.rank)), storage, head) if r else None
 
-    return ChunkPatch(tuple(LayerPatch(cut(fk, rk), cut(fv, rv)) for (fk, fv), (rk, rv) in zip(full, ranks)), method)
+    return ChunkPatch(tuple(LayerPatch(cut(fk, rk, hk), cut(fv, rv, hv))
+                            for (fk, fv), (rk, rv), (hk, hv) in zip(full, ranks, heads)), method)
+
+
+def mixed_patch(full: Sequence[tuple[Factors, Factors]], gains: Sequence[tuple[tuple[Tensor, float], tuple[Tensor, float]]],
+                metrics: Sequence[tuple[Tensor | None, Tensor | None]], budget_bytes: int, method: str) -> ChunkPatch:
+    """A "mixed" patch within `budget_bytes` from full-rank factors ordered by gain: the
+    allocator (`kamera_core.budget.budget_mixed`) on each block's `(gains, normaliser)` and the
+    errors 8- and 4-bit storage add to its components in its fit's `metrics` (K, V per layer)."""
+    if not (len(full) == len(gains) == len(metrics)):
+        raise ValueError(f"full ({len(full)}), gains ({len(gains)}) and metrics ({len(metrics)}) differ in layers")
+    tokens = int(full[0][0].u.shape[0])
+    features = [(fk.vt[0].numel(), fv.vt[0].numel()) for fk, fv in full]
+    errors = []
+    for pair, ms in zip(full, metrics):
+        errs = [quantisation_errors(f, m) for f, m in zip(pair, ms)]
+        errors.append(tuple((e[8], e[4]) for e in errs))
+    plan = budget_mixed(tokens, features, budget_bytes, list(gains), errors)
+    ranks = [(rk, rv) for (rk, _), (rv, _) in plan]
+    heads = [(hk, hv) for (_, hk), (_, hv) in plan]
+    return truncated_patch(full, ranks, method, MIXED, heads)

@@ -92,6 +92,7 @@ class PatchFits:
     energy: list[tuple[float, float]]
     features: list[tuple[int, int]]
     tokens: int
+    metrics: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None  # each block's fit metric
 
 
 def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | None = None,
@@ -138,16 +139,21 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
         gains.append((gk, gv))
         energy.append((ek, ev))
     return PatchFits(method, full, gains, energy, [(d[0].numel(), e[0].numel()) for d, e in deltas],
-                     int(deltas[0][0].shape[0]))
+                     int(deltas[0][0].shape[0]), metrics)
 
 
 def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.ChunkPatch:
     """The patch of `fits` within `budget_bytes`: the largest uniform rank for K and V in every
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit) or by
-    its layer's values' spread (kamera-output)."""
+    its layer's values' spread (kamera-output). Storage "mixed" (allocator methods only): the
+    allocator also chooses which components stay int8 (`kamera_core.patch.mixed_patch`)."""
     alloc = fits.method in ALLOC_METHODS
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
+    if storage == kb.MIXED:
+        if not alloc:
+            raise ValueError(f"mixed storage needs an allocator method ({ALLOC_METHODS}), got {fits.method}")
+        return kp.mixed_patch(fits.full, gains, fits.metrics, budget_bytes, fits.method)
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
     return kp.truncated_patch(fits.full, ranks, fits.method, storage)
 

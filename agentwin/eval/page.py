@@ -53,7 +53,8 @@ def protocol_lines() -> list[str]:
         "and slide read the chunks in another order or without A; orbit patches are fitted on the five orders of "
         "{B, E1, E2} other than the scored one. Multimodal: patches fitted with another first chunk.",
         "- **Costs, each in its own unit.** Extra bytes: stored correction (fp16 factors; int8 with float32 scales "
-        "for the -int8 methods; fp16 rows plus an int32 index for token-sparse) over the reused chunks' fp16 KV. "
+        "for the -int8 methods; for -mixed, int8 for the leading components the allocator picks and 4-bit codes "
+        "packed two to a byte for the rest; fp16 rows plus an int32 index for token-sparse) over the reused chunks' fp16 KV. "
         "Compute, in token-layers (one token through one decoder layer) over a re-prefill of the reused chunks: at "
         "reuse (recomputed tokens; 100% for the re-prefill) and one-time (the canonical encode, 100%, for every "
         "method that reuses canonical KV; plus the conditioned pass, another 100%, for Kamera and token-sparse, "

@@ -27,7 +27,8 @@ from agentwin.models.residual import projection_metrics
 
 PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output",
                  "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8",
-                 "kamera-output-half-int8", "kamera-output-abs-int8", "kamera-residual-int8")
+                 "kamera-output-half-int8", "kamera-output-abs-int8", "kamera-residual-int8",
+                 "kamera-residual-mixed")
 PAPER = {"cacheblend": 0.15, "epic": 16, "vlcache": 0.05}  # each anchor's published default
 SWEEPS = {"cacheblend": (0.05, 0.10, 0.15, 0.25, 0.40), "epic": (2, 4, 8, 16, 32, 64),
           "vlcache": (0.02, 0.05, 0.10, 0.20, 0.40)}
@@ -123,7 +124,7 @@ def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict
                 chosen = {i: ek.sparse_rows(conds[i].deltas, int(p * _kv_bytes(ctx.canonical[i]))) for i in reused}
                 build = time.perf_counter() - t0
             else:
-                fitted, storage = (method[:-5], "int8") if method.endswith("-int8") else (method, "fp16")
+                fitted, storage = storage_of(method)
                 chosen = {i: ek.patch_at(fits_for(fitted, i), int(p * _kv_bytes(ctx.canonical[i])), storage)
                           for i in reused}
                 # This method's decomposition (shared by its budgets) plus this budget's truncation.
@@ -148,6 +149,14 @@ def run_context(ctx: cx.Context, conds: Sequence, plan, greedy: int, orbit: dict
     for row, (_, p) in zip(rows, done):
         row["param"] = p
     return rows
+
+
+def storage_of(method: str) -> tuple[str, str]:
+    """(fit method, factor storage) of a patch method's name: "-int8" and "-mixed" suffixes, else fp16."""
+    for suffix in ("int8", "mixed"):
+        if method.endswith(f"-{suffix}"):
+            return method.removesuffix(f"-{suffix}"), suffix
+    return method, "fp16"
 
 
 # ---- workload 1: binding accuracy ------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 KV: `{"k.{i}": k_i, "v.{i}": v_i}` for layers i = 0..L-1, each token-major (`[T, H, D]`, or MLA
 `[T, R]` / `[T, r]`). Patch: `{"p.{i}.{slot}.{part}": tensor}` with slot "k"/"v" and part
-"u" `[T, m]`, "vt" `[m, *F]` and, for int8 factors, "u_scale" `[m]` / "vt_scale" `[m]` (float32);
+"u" `[T, m]`, "vt" `[m, *F]` and, for int8 factors, "u_scale" `[m]` / "vt_scale" `[m]` (float32),
+for mixed ones also the packed 4-bit "u4" / "vt4" (uint8; `kamera_core.patch.Factors`);
 a slot without a patch has no tensors. The patch meta records the format, method and layer count.
 """
 
@@ -18,7 +19,7 @@ from kamera_core.patch import ChunkPatch, Factors, LayerPatch
 Tensor = torch.Tensor
 PATCH_FORMAT = "kamera.ChunkPatch/1"
 _KV_NAME = re.compile(r"([kv])\.(0|[1-9][0-9]*)")
-_PATCH_NAME = re.compile(r"p\.(0|[1-9][0-9]*)\.([kv])\.(u|vt|u_scale|vt_scale)")
+_PATCH_NAME = re.compile(r"p\.(0|[1-9][0-9]*)\.([kv])\.(u|vt|u_scale|vt_scale|u4|vt4)")
 
 
 def _tensor(x: object, what: str) -> Tensor:
@@ -70,6 +71,8 @@ def patch_to_tensors(p: ChunkPatch) -> tuple[dict[str, Tensor], dict[str, object
             out[f"p.{i}.{slot}.u"], out[f"p.{i}.{slot}.vt"] = f.u, f.vt
             if f.u_scale is not None:
                 out[f"p.{i}.{slot}.u_scale"], out[f"p.{i}.{slot}.vt_scale"] = f.u_scale, f.vt_scale
+            if f.u4 is not None:
+                out[f"p.{i}.{slot}.u4"], out[f"p.{i}.{slot}.vt4"] = f.u4, f.vt4
     return out, {"format": PATCH_FORMAT, "method": p.method, "num_layers": len(p.layers)}
 
 
@@ -95,8 +98,9 @@ def tensors_to_patch(d: Mapping[str, Tensor], meta: Mapping[str, object]) -> Chu
         got = parts.get((i, slot))
         if got is None:
             return None
-        if set(got) not in ({"u", "vt"}, {"u", "vt", "u_scale", "vt_scale"}):
-            raise ValueError(f"patch layer {i} slot {slot} has parts {sorted(got)}; want u, vt (+ both scales)")
-        return Factors(got["u"], got["vt"], got.get("u_scale"), got.get("vt_scale"))
+        if set(got) not in ({"u", "vt"}, {"u", "vt", "u_scale", "vt_scale"}, {"u", "vt", "u_scale", "vt_scale", "u4", "vt4"}):
+            raise ValueError(f"patch layer {i} slot {slot} has parts {sorted(got)}; want u, vt (+ both scales "
+                             f"(+ u4, vt4))")
+        return Factors(got["u"], got["vt"], got.get("u_scale"), got.get("vt_scale"), got.get("u4"), got.get("vt4"))
 
     return ChunkPatch(tuple(LayerPatch(factors(i, "k"), factors(i, "v")) for i in range(n)), method)

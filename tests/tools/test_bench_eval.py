@@ -42,7 +42,8 @@ def test_quick_mode_end_to_end(tmp_path):
     methods = {s["method"] for s in summ}
     assert methods == {"full", "blind", "cacheblend", "epic", "vlcache", "kamera-svd", "kamera-query", "kamera-alloc",
                        "kamera-output", "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8",
-                       "kamera-output-half-int8", "kamera-output-abs-int8", "kamera-residual-int8", "token-sparse", "oracle"}
+                       "kamera-output-half-int8", "kamera-output-abs-int8", "kamera-residual-int8", "kamera-residual-mixed",
+                       "token-sparse", "oracle"}
     for s in summ:
         if s["method"] == "full":
             assert s["kl"] <= 1e-9 and s["compute_frac"] == 1.0 and s["build_compute_frac"] == 0.0

@@ -166,6 +166,41 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
             assert got is None or (torch.equal(got.u, full.u) and torch.equal(got.vt, full.vt))
 
 
+def test_mixed_storage_patches_are_the_evaluations_mixed_fit():
+    """storage="mixed": the window's residual patch is the evaluation's `kamera-residual-mixed` fit
+    of a separate capture (same ranks, same int8 / 4-bit split, same bytes) within 6%; it needs
+    the allocator, and max_kl's ladder takes int8 under it."""
+    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
+    from kamera_core import patch as kp
+
+    km = _km("tiny-llama-gqa")
+    win = Window(km, budget_tokens=4096, storage="mixed")
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    canonical = win._chunks[b].canonical
+    budget = int(0.06 * _kv_bytes(canonical))
+    assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
+    deltas, queries, residual = _captured(km, win, b)
+    projections = [kp.projection_metric(layer.self_attn.o_proj.weight, km.layout.num_kv_heads, km.layout.value_dim)
+                   for layer in km.model.get_decoder().layers]
+    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), "kamera-residual", budget, "mixed",
+                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
+    split = [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in stored.layers]
+    assert split == [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in want.layers]
+    assert stored.nbytes == want.nbytes and any(r4 > 0 for layer in split for _, r4 in layer)
+    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
+        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
+        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+    for args in ({"fit": "svd"}, {"fit": "query"}, {"rank": 4}):
+        with pytest.raises(ValueError, match="storage='mixed' is chosen per component"):
+            Window(km, storage="mixed", **args)
+    targeted = Window(km, budget_tokens=4096, storage="mixed", max_kl=1e-3)
+    targeted.append(A)
+    targeted.append(B)
+    assert len(targeted.stats().kl_ranks) == 1
+
+
 def _ranks(patch) -> list[tuple[int, int]]:
     return [(0 if lp.k is None else lp.k.rank, 0 if lp.v is None else lp.v.rank) for lp in patch.layers]
 

@@ -146,8 +146,12 @@ def _patch(storage: str) -> kp.ChunkPatch:
     g = torch.Generator().manual_seed(3)
     fk = kp.fit(torch.randn(9, 2, 4, generator=g), 3)
     fv = kp.fit(torch.randn(9, 2, 4, generator=g), 2)
-    layers = (kp.LayerPatch(kp.quantize(fk, storage), None), kp.LayerPatch(None, None),
-              kp.LayerPatch(kp.quantize(fk, storage), kp.quantize(fv, storage)), kp.LayerPatch(None, kp.quantize(fv, storage)),
+
+    def q(f: kp.Factors, head: int = 1) -> kp.Factors:  # mixed: `head` int8 components, the rest 4-bit
+        return kp.quantize(f, storage, head) if storage == "mixed" else kp.quantize(f, storage)
+
+    layers = (kp.LayerPatch(q(fk), None), kp.LayerPatch(None, None),
+              kp.LayerPatch(q(fk, 0), q(fv)), kp.LayerPatch(None, q(fv)),
               kp.LayerPatch(None, None))
     return kp.ChunkPatch(layers, "query")
 
@@ -156,13 +160,13 @@ def _same_factors(a: kp.Factors | None, b: kp.Factors | None) -> bool:
     if a is None or b is None:
         return a is b
     def parts(f: kp.Factors) -> dict[str, torch.Tensor]:
-        named = (("u", f.u), ("vt", f.vt), ("us", f.u_scale), ("vs", f.vt_scale))
+        named = (("u", f.u), ("vt", f.vt), ("us", f.u_scale), ("vs", f.vt_scale), ("u4", f.u4), ("vt4", f.vt4))
         return {n: t for n, t in named if t is not None}
 
     return same(parts(a), parts(b))
 
 
-@pytest.mark.parametrize("storage", ["fp16", "bf16", "int8", "fp32"])
+@pytest.mark.parametrize("storage", ["fp16", "bf16", "int8", "fp32", "mixed"])
 def test_patch_round_trip_through_disk(tmp_path, storage):
     p = _patch(storage)
     d, meta = patch_to_tensors(p)
@@ -176,6 +180,9 @@ def test_patch_round_trip_through_disk(tmp_path, storage):
         assert _same_factors(la.k, lb.k) and _same_factors(la.v, lb.v)
     if storage == "int8":
         assert q.layers[0].k.u_scale is not None and q.layers[0].k.u.dtype == torch.int8
+    if storage == "mixed":  # 1 + 2 and 0 + 3 int8 + 4-bit components on K, 1 + 1 on V
+        assert [(f.rank, f.int4_rank) for f in (q.layers[0].k, q.layers[2].k, q.layers[2].v)] == [(3, 2), (3, 3), (2, 1)]
+        assert torch.equal(q.layers[2].k.dense(), p.layers[2].k.dense())
     assert q.nbytes == p.nbytes
 
 

@@ -75,7 +75,10 @@ class Window:
         pass; keys in the metric of the chunk's own queries), "output" (the same in the attention
         output itself, relative to the layer's), "output-half" / "output-abs" (each layer's
         error by the root of its scale / absolute), "alloc" (spread by each block's relative error), "svd"
-        or "query" (one rank everywhere); storage "int8", "fp16", "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
+        or "query" (one rank everywhere); storage "int8", "mixed" (int8 for each block's leading
+        components, 4 bits packed two to a byte for the rest, split by the allocator; byte-budget
+        allocator fits only), "auto" (mixed where the allocator sets the ranks, else int8), "fp16",
+        "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
         exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
         alone was measured worse than blind reuse, and for rank=N windows; off at the default
         budget, where it changed nothing measured and costs a document step 20-70% more,

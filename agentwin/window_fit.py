@@ -28,8 +28,13 @@ settings (`PatchSettings`):
   queries the pass computed for all of the chunk's rows, moved into the chunk-local frame, V
   plainly. Text chunks only (a vision chunk's multi-axis positions are not one rotation back);
   others take the plain fit;
-- `storage`: the factors' form, "int8" (the default: per-rank scales, about half the bytes of
-  fp16, so twice the rank for the budget), "fp16", "bf16" or "fp32";
+- `storage`: the factors' form, "int8" (per-rank scales, about half the bytes of fp16, so twice
+  the rank for the budget), "mixed" (the allocator also decides, component by component, whether
+  int8 or 4-bit codes packed two to a byte buy more of the fit per byte, from the error each
+  precision adds to that component in its fit's metric: `kamera_core.budget.budget_mixed`; with
+  `rank="budget"` and the allocator fits alloc / output* / residual only; `max_kl`'s one-rank
+  ladder stays int8), "auto" (mixed where the allocator sets the ranks, int8 where one rank is
+  set for every layer), "fp16", "bf16" or "fp32";
 - then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
   below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
   (`agentwin.guard.fit_to_kl`).
@@ -136,12 +141,14 @@ def patch_settings(km: Any, rank: Any, patch_bytes: Any, storage: str, guard: An
         raise ValueError(f"max_kl must be a positive number (nats) or None, got {max_kl!r}")
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    if storage not in kb.STORAGES:
-        raise ValueError(f"storage must be one of {kb.STORAGES}, got {storage!r}")
+    mla, exact = km.layout.family == "mla", rank is None
+    if storage not in (*kb.STORAGES, AUTO):
+        raise ValueError(f"storage must be one of {(*kb.STORAGES, AUTO)}, got {storage!r}")
+    if storage == AUTO:  # mixed where the allocator sets the ranks, int8 where one rank is set for all
+        storage = kb.MIXED if rank == BUDGET and fit in ALLOCATING else "int8"
     if storage == kb.MIXED and rank is not None and (rank != BUDGET or fit not in ALLOCATING):
         raise ValueError(f"storage='mixed' is chosen per component by the allocator: it needs rank='budget' and fit "
                          f"one of {ALLOCATING}, got rank={rank!r}, fit={fit!r}; pass storage='int8' instead")
-    mla, exact = km.layout.family == "mla", rank is None
     if fit == RESIDUAL and not mla and not exact:
         residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
     fraction = float(patch_bytes if patch_bytes is not None else DEFAULT_PATCH_BYTES) if rank == BUDGET else None

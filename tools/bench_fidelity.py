@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
                         help="patch byte budgets as fractions of canonical KV bytes (must include 0.06)")
     parser.add_argument("--fits", default=",".join(DEFAULT_FITS), help="fits: origin, origin+guard, origin-alloc, origin-output, origin-output-half, "
-                        "origin-output-abs, origin-residual, origin-svd, orbit")
+                        "origin-output-abs, origin-residual, origin-residual-int8, origin-residual-mixed, origin-svd, orbit")
     parser.add_argument("--guards", default=",".join(STALE_GUARDS), help="stale-patch guard policies ('' for none)")
     parser.add_argument("--questions", type=int, default=1, help="questions per state of each hard case (default 1)")
 

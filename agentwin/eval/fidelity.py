@@ -5,10 +5,11 @@ re-prefill (the reference), a bfloat16 re-prefill (the noise floor), blind reuse
 (`Window(patch="none")`) and the agentwin window with byte-limited patches. A byte budget is a
 fraction of a chunk's canonical KV bytes (float32 here). Fits: "origin" (the window's defaults:
 origin patches, each chunk's patch fitted within the budget, `Window(patch_bytes=b)`: ranks
-spread over layers and K/V, int8 factors, the patch guard on below 6%), "origin+guard" (the same
+spread over layers and K/V, the window's default factor storage, the patch guard on below 6%), "origin+guard" (the same
 with `guard=True` at every budget), "origin-alloc", "origin-output", "origin-output-half",
-"origin-output-abs" and "origin-residual" (the defaults with `Window(fit="alloc")`,
-`fit="output"` and its variants, `fit="residual"`: normalised per block, or by the attention
+"origin-output-abs", "origin-residual" and "origin-residual-int8" / "-mixed" (the defaults with
+`Window(fit="alloc")`, `fit="output"` and its variants, `fit="residual"` (with int8 or mixed
+factors): normalised per block, or by the attention
 outputs' error relative to each layer's scale, its root, or absolute, or by that error in the
 residual stream relative to the stream's size; one of them is the window's default fit), "origin-svd"
 (the fit the window used before: plain SVD, fp16 factors, one rank for the trace), "orbit"
@@ -52,11 +53,13 @@ FITS = {"origin": ("origin", "auto", True), "origin+guard": ("origin", True, Tru
         "origin-svd": ("origin", False, False), "orbit": ("orbit", False, False),
         "origin-alloc": ("origin", "auto", True), "origin-output": ("origin", "auto", True),
         "origin-output-half": ("origin", "auto", True), "origin-output-abs": ("origin", "auto", True),
-        "origin-residual": ("origin", "auto", True)}
+        "origin-residual": ("origin", "auto", True), "origin-residual-int8": ("origin", "auto", True),
+        "origin-residual-mixed": ("origin", "auto", True)}
 # Window arguments of a by-bytes fit other than the window's default fit (`Window(fit=...)`).
 FIT_ARGS = {"origin-alloc": {"fit": "alloc"}, "origin-output": {"fit": "output"},
             "origin-output-half": {"fit": "output-half"}, "origin-output-abs": {"fit": "output-abs"},
-            "origin-residual": {"fit": "residual"}}
+            "origin-residual": {"fit": "residual"}, "origin-residual-int8": {"fit": "residual", "storage": "int8"},
+            "origin-residual-mixed": {"fit": "residual", "storage": "mixed"}}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
 DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-output", "origin-output-abs", "origin-svd")
 DEFAULT_FIT = "origin"
@@ -324,7 +327,7 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     stale = [c for n in agent for c in entries[n]["stale"]]
     hard_stale = [c for n in hard for c in entries[n]["stale"]]
     s, every = stale_summary(stale, key), stale_summary(stale + hard_stale, key)
-    out.update({"window_policy": window, "window_fit": window_default("fit"),
+    out.update({"window_policy": window, "window_fit": window_default("fit"), "window_storage": window_default("storage"),
                 "greedy16_at_6pct": head.get("greedy16"), "kl_at_6pct": head.get("kl_mean"),
                 "noise_floor_greedy16": floor.get("greedy16"), "noise_floor_kl": floor.get("kl_mean"),
                 "stale_worse_than_blind": every["worse_than_blind"], "stale_cases": every["stale_cases"],

@@ -66,7 +66,8 @@ def render_page(result: dict[str, Any]) -> str:
                          f"{_pct(row['greedy16'])} | {_pct(row['same_action'])} |")
     lines += ["", "## Ranks from byte budgets", "",
               ("The window's default fit (`origin`, `origin+guard`) takes each chunk's own ranks within the budget "
-               "(`Window(patch_bytes=b)`; int8 factors cost T + F + 8 bytes per rank). The rank-based fits "
+               "(`Window(patch_bytes=b)`; int8 factors cost T + F + 8 bytes per rank, 4-bit ones of the mixed "
+               "storage (T + F)/2 + 8). The rank-based fits "
                "(`origin-svd`, `orbit`) take one rank per trace: "
                "a rank-r patch costs r · (T + F) · 2 bytes per layer for keys and as much for values (fp16 factors, "
               "`kamera_core.budget.bytes_per_rank`; T the chunk's tokens, F the features per token), against "
@@ -121,7 +122,8 @@ def render_page(result: dict[str, Any]) -> str:
               "model re-prefilling the same inputs (agent traces only)."), "",
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
-               f"within the budget (`fit=\"{result.get('window_fit', 'alloc')}\"`, int8 factors; the patch guard on below 6%), "
+               f"within the budget (`fit=\"{result.get('window_fit', 'alloc')}\"`, "
+               f"`storage=\"{result.get('window_storage', 'int8')}\"`; the patch guard on below 6%), "
                "served after any antecedent |"),
               ("| origin-alloc | the same with `fit=\"alloc\"`: ranks spread over layers and K/V by the allocator on "
                "each block's gains normalised by its energy |"),
@@ -131,7 +133,9 @@ def render_page(result: dict[str, Any]) -> str:
               ("| origin-output-half, origin-output-abs | the same with `fit=\"output-half\"` / `\"output-abs\"`: each "
                "layer's error relative to the square root of its values' spread / absolute |"),
               ("| origin-residual | the same with `fit=\"residual\"`: each block's error where it lands in the residual "
-               "stream (through the layer's output projection), relative to the stream's size there in the pass |"),
+               "stream (through the layer's output projection), relative to the stream's size there in the pass; "
+               "`-int8` / `-mixed`: with `storage=\"int8\"` / `\"mixed\"` (int8 for each block's leading components, "
+               "4 bits for the rest, split by the allocator) |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
               ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "

@@ -2,7 +2,7 @@
 window itself, on the hard cases (`agentwin.eval.hard_cases`), at 1.5–25% of B's fp16 KV bytes;
 keys fitted in the metric of the chunk's own queries (`fit="query"`), all these with fp16
 factors at one rank; the window's default fit within the same bytes (`Window(patch_bytes=...)`:
-ranks spread over layers and K/V, int8 factors) without the guard, at the window's default
+ranks spread over layers and K/V, the window's default storage, and int8 factors) without the guard, at the window's default
 (`guard="auto"`: on below 6%) and always guarded; then the window with the
 case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
@@ -85,7 +85,8 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
         for name, settings in (("svd", {"rank": rank, "guard": False, **FP16}),
                                ("guard", {"rank": rank, "guard": True, **FP16}),
                                ("query", {"rank": rank, "guard": False, **FP16, "fit": "query"}),
-                               ("window-noguard", {**by_bytes, "guard": False}), ("window", by_bytes),
+                               ("window-noguard", {**by_bytes, "guard": False}),
+                               ("window-int8", {**by_bytes, "guard": False, "storage": "int8"}), ("window", by_bytes),
                                ("window+guard", {**by_bytes, "guard": True})):
             window, b = _served(km, case, **settings)
             kl = _kl(window, case, references)  # reads the stored patch back
@@ -94,10 +95,12 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
             entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                            "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
                            "checked": stats.guard_checked}
-        g, s, q, wn, w, wg = (entry[n] for n in ("guard", "svd", "query", "window-noguard", "window", "window+guard"))
+        g, s, q, wn, w8, w, wg = (entry[n] for n in ("guard", "svd", "query", "window-noguard", "window-int8", "window",
+                                                     "window+guard"))
         log(f"  {budget:6.1%} rank {rank:3d}: svd KL {s['kl']:.4f} ({s['bytes_frac']:.2%})  guarded KL {g['kl']:.4f} "
             f"({g['bytes_frac']:.2%}, kept {g['kept']}/{g['checked']}{', blind' if g['fallback'] else ''})  "
-            f"query-metric KL {q['kl']:.4f}  window fit unguarded KL {wn['kl']:.4f} ({wn['bytes_frac']:.2%}), "
+            f"query-metric KL {q['kl']:.4f}  window fit unguarded KL {wn['kl']:.4f} ({wn['bytes_frac']:.2%}; int8 "
+            f"factors {w8['kl']:.4f}), "
             f"default {w['kl']:.4f} (guard {'on' if w['checked'] else 'off'}), guarded {wg['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),

@@ -195,6 +195,9 @@ def test_mixed_storage_patches_are_the_evaluations_mixed_fit():
     for args in ({"fit": "svd"}, {"fit": "query"}, {"rank": 4}):
         with pytest.raises(ValueError, match="storage='mixed' is chosen per component"):
             Window(km, storage="mixed", **args)
+        assert Window(km, storage="auto", **args).storage == "int8"  # "auto": int8 where one rank is set
+    assert Window(km, storage="auto").storage == "mixed" and Window(km, storage="auto", fit="alloc").storage == "mixed"
+    assert Window(km, storage="auto", rank=None).storage == "fp32"
     targeted = Window(km, budget_tokens=4096, storage="mixed", max_kl=1e-3)
     targeted.append(A)
     targeted.append(B)

@@ -61,7 +61,7 @@ class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
     def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-similar",
-                 rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "int8",
+                 rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "auto",
                  evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
                  patch_bytes: float | None = None) -> None:
         """store: where canonical KV and patches live, shared by every window (and process, with a

@@ -136,7 +136,7 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
 
     km = _km(name)
     args = {} if fit == "residual" else {"fit": fit}  # residual: the default
-    win = Window(km, budget_tokens=4096, **args)  # the default: no guard at 6%
+    win = Window(km, budget_tokens=4096, storage="int8", **args)  # the default: no guard at 6%
     assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
     win.append(A)
     b = win.append(B)
@@ -157,7 +157,7 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
         assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
         assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
-    checked = Window(km, budget_tokens=4096, guard=True, **args)
+    checked = Window(km, budget_tokens=4096, guard=True, storage="int8", **args)
     checked.append(A)
     guarded = next(iter(checked._chunks[checked.append(B)].patches.values()))
     assert checked.stats().guard_checked > 0
@@ -259,8 +259,12 @@ def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
 
     results = Path(__file__).resolve().parents[2] / "docs" / "results"
     chosen = window_default([json.loads((results / f"eval_{n}.json").read_text()) for n in ("binding", "smollm2")])
-    name = chosen["method"].removeprefix("kamera-")
-    fit, storage = (name.removesuffix("-int8"), "int8") if name.endswith("-int8") else (name, "fp16")
+    from agentwin.eval.workloads import storage_of
+    from agentwin.window_fit import patch_settings
+
+    fit, storage = storage_of(chosen["method"].removeprefix("kamera-"))
     defaults = {k: p.default for k, p in inspect.signature(Window.__init__).parameters.items()}
-    assert (defaults["rank"], defaults["fit"], defaults["storage"]) == ("budget", fit, storage), chosen
+    settings = patch_settings(_km("tiny-llama-gqa"), defaults["rank"], defaults["patch_bytes"], defaults["storage"],
+                              defaults["guard"], defaults["max_kl"], defaults["fit"])
+    assert (settings.rank, settings.fit, settings.storage) == ("budget", fit, storage), chosen
     assert DEFAULT_PATCH_BYTES == 0.06

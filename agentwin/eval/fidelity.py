@@ -61,7 +61,7 @@ FIT_ARGS = {"origin-alloc": {"fit": "alloc"}, "origin-output": {"fit": "output"}
             "origin-residual": {"fit": "residual"}, "origin-residual-int8": {"fit": "residual", "storage": "int8"},
             "origin-residual-mixed": {"fit": "residual", "storage": "mixed"}}
 RANK_FIT = {"fit": "svd", "storage": "fp16"}
-DEFAULT_FITS = ("origin", "origin+guard", "origin-alloc", "origin-output", "origin-output-abs", "origin-svd")
+DEFAULT_FITS = ("origin", "origin+guard", "origin-residual-int8", "origin-alloc", "origin-output", "origin-svd")
 DEFAULT_FIT = "origin"
 # `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
 # window's default threshold is `agentwin.policies.SIMILAR`).

@@ -179,9 +179,11 @@ def budget_mixed(
             g = check_tensor(g, f"gains of layer {layer}").detach().to("cpu", torch.float64).flatten()
             if len(e8) < len(g) or len(e4) < len(g):
                 raise ValueError(f"layer {layer}: errors cover {min(len(e8), len(e4))} of {len(g)} components")
-            if not (math.isfinite(norm) and norm > 0):
-                raise ValueError(f"normaliser of layer {layer} must be positive and finite, got {norm!r}")
-            blocks.append((check_rank(feats[slot], "feature size"), g.tolist(), e8.tolist(), e4.tolist(), float(norm)))
+            if not (math.isfinite(norm) and norm >= 0):
+                raise ValueError(f"normaliser of layer {layer} must be non-negative and finite, got {norm!r}")
+            # A zero normaliser (a block with no deficit) is floored as `budget_ranks` floors it.
+            blocks.append((check_rank(feats[slot], "feature size"), g.tolist(), e8.tolist(), e4.tolist(),
+                           max(float(norm), 1e-30)))
     rank, head, version = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
     open_buy, open_up = [True] * len(blocks), [True] * len(blocks)
     heap: list[tuple[float, int, int, int]] = []  # (−gain per byte, block, kind 0 buy / 1 upgrade, version)

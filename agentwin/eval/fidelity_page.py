@@ -123,7 +123,9 @@ def render_page(result: dict[str, Any]) -> str:
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
                f"within the budget (`fit=\"{result.get('window_fit', 'alloc')}\"`, "
-               f"`storage=\"{result.get('window_storage', 'int8')}\"`; the patch guard on below 6%), "
+               f"`storage=\"{result.get('window_storage', 'int8')}\"`"
+               f"{': int8 and 4-bit factors split by the allocator' if result.get('window_storage') == 'auto' else ''}; "
+               "the patch guard on below 6%), "
                "served after any antecedent |"),
               ("| origin-alloc | the same with `fit=\"alloc\"`: ranks spread over layers and K/V by the allocator on "
                "each block's gains normalised by its energy |"),

@@ -218,7 +218,8 @@ def test_results_fields_and_page_on_a_tiny_model(km):
            f"reuse in {result['stale_worse_than_blind']} of them" in page
     assert "The window's default policy in this run: `origin-similar` (`origin-similar@0.95`)" in page
     # The hard-case traces run every by-bytes fit but the always-guarded one, at the headline budget.
-    assert set(result["traces"]["hard-code"]["grid"]) == {"origin", "origin-alloc", "origin-output", "origin-output-abs"}
+    assert set(result["traces"]["hard-code"]["grid"]) == {"origin", "origin-residual-int8", "origin-alloc", "origin-output"}
     assert result["window_fit"] == "residual" and '`fit="residual"`' in page
+    assert result["window_storage"] == "auto" and '`storage="auto"`' in page
     result["traces"]["doc"]["chunk_tokens"] = []  # a short trace where no chunk takes a patch
     assert "| doc | no chunk takes a patch |" in render_page(result)

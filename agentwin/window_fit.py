@@ -41,13 +41,13 @@ settings (`PatchSettings`):
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
 (`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
-`eval_smollm2.json`): `kamera-residual-int8`, with the lowest mean validation rank over the 5
-groups (3.0; output-int8 3.2, alloc-int8, svd-int8 and query-int8 3.8, output-half-int8 5.2,
-output-abs-int8 6.6). It tops both binding conditions (gap 0.97 / 0.93 on test at 6%); on the
-SmolLM2 traces its validation KL is 1.2-2.9x the best int8 fit's (output-int8 1.2-2.7x), which
-went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test holds the
-defaults to that choice. The ranks come from the same function the evaluation
-fits its Kamera methods with, so the window serves the fit that was measured.
+`eval_smollm2.json`): `kamera-residual-mixed` (fit "residual", storage "auto", which is "mixed"
+under it), with the lowest mean validation rank over the 5 groups (1.4; residual-int8 4.0,
+output-int8 and query-int8 4.2, alloc-int8 and svd-int8 4.4). It tops both binding conditions
+(gap 0.99 / 0.99 on test at 6%); on the SmolLM2 traces its validation KL is 1.1-1.5x the best
+int8 fit's, which went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test
+holds the defaults to that choice. The ranks come from the same function the evaluation fits its
+Kamera methods with, so the window serves the fit that was measured.
 """
 
 from __future__ import annotations

@@ -123,6 +123,38 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
     assert 0 < stored.nbytes <= int(0.06 * _kv_bytes(win._chunks[b].canonical))
 
 
+def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
+    """B's patch from a window with `fit` (its default when "residual") at the default 6% budget
+    (checked to be within it and counted), and the evaluation's `kamera-{fit}` fit in `storage` of a
+    separate capture of the model's forward at that budget (`agentwin.eval.fits`). Returns
+    (window, stored patch, B's canonical KV, fit)."""
+    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
+    from kamera_core import patch as kp
+
+    win = Window(km, budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
+    win.append(A)
+    b = win.append(B)
+    stored = next(iter(win._chunks[b].patches.values()))
+    canonical = win._chunks[b].canonical
+    budget = int(0.06 * _kv_bytes(canonical))
+    assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
+    deltas, queries, residual = _captured(km, win, b)
+    weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
+               for layer in km.model.get_decoder().layers]
+    projections = [kp.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
+    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", budget, storage,
+                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
+    return win, stored, canonical, want
+
+
+def _same_corrected_kv(canonical, stored, want) -> None:
+    from kamera_core import patch as kp
+
+    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
+        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
+        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+
+
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
 @pytest.mark.parametrize("fit", ["alloc", "query", "output", "output-half", "output-abs", "residual"])
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
@@ -131,32 +163,14 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
     corrected KV. The patch guard then keeps each layer's key or value patch of that fit as
     fitted or drops it, never changes it."""
-    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
-    from kamera_core import patch as kp
-
     km = _km(name)
     args = {} if fit == "residual" else {"fit": fit}  # residual: the default
-    win = Window(km, budget_tokens=4096, storage="int8", **args)  # the default: no guard at 6%
-    assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")
-    win.append(A)
-    b = win.append(B)
-    stored = next(iter(win._chunks[b].patches.values()))
-    canonical = win._chunks[b].canonical
-    budget = int(0.06 * _kv_bytes(canonical))
-    assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
-    deltas, queries, residual = _captured(km, win, b)
-    decoder = km.model.get_decoder().layers
-    weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
-               for layer in decoder]
-    projections = [kp.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
-    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", budget, "int8",
-                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
+    win, stored, canonical, want = _window_and_evaluation_fit(km, name, fit, "int8")
+    assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")  # no guard at 6%
     assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
     if fit != "query":
         assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
-    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
-        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
-        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+    _same_corrected_kv(canonical, stored, want)
     checked = Window(km, budget_tokens=4096, guard=True, storage="int8", **args)
     checked.append(A)
     guarded = next(iter(checked._chunks[checked.append(B)].patches.values()))
@@ -170,28 +184,12 @@ def test_mixed_storage_patches_are_the_evaluations_mixed_fit():
     """storage="mixed": the window's residual patch is the evaluation's `kamera-residual-mixed` fit
     of a separate capture (same ranks, same int8 / 4-bit split, same bytes) within 6%; it needs
     the allocator, and max_kl's ladder takes int8 under it."""
-    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
-    from kamera_core import patch as kp
-
     km = _km("tiny-llama-gqa")
-    win = Window(km, budget_tokens=4096, storage="mixed")
-    win.append(A)
-    b = win.append(B)
-    stored = next(iter(win._chunks[b].patches.values()))
-    canonical = win._chunks[b].canonical
-    budget = int(0.06 * _kv_bytes(canonical))
-    assert 0 < stored.nbytes <= budget and win.stats().patch_bytes == stored.nbytes
-    deltas, queries, residual = _captured(km, win, b)
-    projections = [kp.projection_metric(layer.self_attn.o_proj.weight, km.layout.num_kv_heads, km.layout.value_dim)
-                   for layer in km.model.get_decoder().layers]
-    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), "kamera-residual", budget, "mixed",
-                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
+    _, stored, canonical, want = _window_and_evaluation_fit(km, "tiny-llama-gqa", "residual", "mixed")
     split = [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in stored.layers]
     assert split == [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in want.layers]
     assert stored.nbytes == want.nbytes and any(r4 > 0 for layer in split for _, r4 in layer)
-    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
-        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
-        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+    _same_corrected_kv(canonical, stored, want)
     for args in ({"fit": "svd"}, {"fit": "query"}, {"rank": 4}):
         with pytest.raises(ValueError, match="storage='mixed' is chosen per component"):
             Window(km, storage="mixed", **args)

@@ -188,6 +188,9 @@ def budget_mixed(
     open_buy, open_up = [True] * len(blocks), [True] * len(blocks)
     heap: list[tuple[float, int, int, int]] = []  # (−gain per byte, block, kind 0 buy / 1 upgrade, version)
 
+    def size(f: int, r: int, h: int) -> int:  # mixed_bytes without its argument checks (the hot loop)
+        return h * (t + f + 8) + (r - h + 1) // 2 * (t + f) + 8 * (r - h)
+
     def push(i: int) -> None:
         f, g, e8, e4, norm = blocks[i]
         half = (t + f) / 2
@@ -205,7 +208,7 @@ def budget_mixed(
             continue
         f, r, h = blocks[i][0], rank[i], head[i]
         after = (r + 1, h) if kind == 0 else (r, h + 1)
-        cost = mixed_bytes(t, f, *after) - mixed_bytes(t, f, r, h)
+        cost = size(f, *after) - size(f, r, h)
         if cost > left:
             (open_buy if kind == 0 else open_up)[i] = False
         else:

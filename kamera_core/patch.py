@@ -350,7 +350,7 @@ def attention_mass(weights: Tensor) -> Tensor:
     return w.to(torch.float64).mean(dim=(0, 1))
 
 
-def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
+def _metric_sqrt(metric: Tensor, heads: int, dim: int, inverse: bool = True) -> tuple[Tensor, Tensor | None]:
     """(W, W⁻¹), each `[H, D, D]` float64, with W·Wᵀ = Σ_h + ridge: any such W gives the weighted
     norm (||E·W||²_F = tr(E·M·Eᵀ)) and the same singular values of X·W. The Cholesky factor
     (lower) when the ridged blocks are positive definite, else the symmetric root of the
@@ -364,7 +364,7 @@ def _metric_sqrt(metric: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
         eye = torch.eye(dim, dtype=torch.float64, device=sigma.device)
         low, info = torch.linalg.cholesky_ex(sigma + (RIDGE * scale)[..., None] * eye)
         if not bool(info.any()):
-            return low, torch.linalg.solve_triangular(low, eye.expand_as(low), upper=False)
+            return low, torch.linalg.solve_triangular(low, eye.expand_as(low), upper=False) if inverse else None
     return _metric_sqrt_eigh(sigma, dim)
 
 
@@ -542,28 +542,41 @@ def quantisation_errors(f: Factors, metric: Tensor | None = None) -> dict[int, T
     {8: `[m]`, 4: `[m]`} float64, in the unit of the fit's gains σ². With W·Wᵀ the ridged metric,
     ||a bᵀ − c dᵀ||² = |a|²|bW|² + |c|²|dW|² − 2(a·c)(bW·dW), exact for each component (the
     components' errors add up to the patch's only as far as they are uncorrelated)."""
-    u, vt = f.factors(torch.float64)
-    m = f.rank
-    flat = vt.reshape(m, -1)
+    return {bits: e[0] for bits, e in _errors_batch([f], [metric]).items()}
 
-    root = None
-    if metric is not None:
-        mt = check_tensor(metric, "metric").to(u.device)
-        mt = mt if mt.dim() == 3 else mt.unsqueeze(0)
-        root, _ = _metric_sqrt(mt, mt.shape[0], mt.shape[1])
 
-    def weigh(x: Tensor) -> Tensor:  # rows of vt in the metric's root
-        if root is None:
+def _errors_batch(fs: Sequence[Factors], metrics: Sequence[Tensor | None]) -> dict[int, Tensor]:
+    """`quantisation_errors` of factors of one shape at once (`[B, m]` per bit width): the
+    quantisation of `kamera_core.quant` (per-component scales) over a batch, each block's metric
+    root taken on its own."""
+    us, vts = zip(*(f.factors(torch.float64) for f in fs))
+    u, m = torch.stack(us), fs[0].rank  # (B, T, m)
+    flat = torch.stack(vts).reshape(len(fs), m, -1)  # (B, m, F)
+    roots = None
+    if metrics[0] is not None:
+        mts = [check_tensor(mt, "metric").to(u.device) for mt in metrics]
+        mts = [mt if mt.dim() == 3 else mt.unsqueeze(0) for mt in mts]
+        roots = torch.stack([_metric_sqrt(mt, mt.shape[0], mt.shape[1], inverse=False)[0] for mt in mts])
+
+    def weigh(x: Tensor) -> Tensor:  # rows of vt in each block's metric root
+        if roots is None:
             return x
-        return torch.einsum("mhd,hde->mhe", x.reshape(m, root.shape[0], root.shape[1]), root).reshape(m, -1)
+        heads, dim = roots.shape[1], roots.shape[2]
+        return torch.einsum("bmhd,bhde->bmhe", x.reshape(len(fs), m, heads, dim), roots).reshape(x.shape)
+
+    def stored(x: Tensor, bits: int, dim: int) -> Tensor:  # quant.quantise then dequantise, per block
+        levels = quant.LEVELS[bits]
+        x32 = x.float()
+        scale = x32.abs().amax(dim=dim, keepdim=True) / levels
+        codes = (x32 / torch.where(scale > 0, scale, 1.0)).round().clamp(-levels, levels)
+        return codes.to(torch.float64) * scale.to(torch.float64)
 
     vw = weigh(flat)
     out = {}
     for bits in (8, 4):
-        qu = quant.dequantise(*quant.quantise(u.float(), bits, 1), 1, torch.float64)
-        qv = weigh(quant.dequantise(*quant.quantise(flat.float(), bits, 0), 0, torch.float64))
-        err = ((qu * qu).sum(0) * (qv * qv).sum(1) + (u * u).sum(0) * (vw * vw).sum(1)
-               - 2 * (qu * u).sum(0) * (qv * vw).sum(1))
+        qu, qv = stored(u, bits, 1), weigh(stored(flat, bits, 2))
+        err = ((qu * qu).sum(1) * (qv * qv).sum(2) + (u * u).sum(1) * (vw * vw).sum(2)
+               - 2 * (qu * u).sum(1) * (qv * vw).sum(2))
         out[bits] = err.clamp_min(0)
     return out
 
@@ -652,10 +665,14 @@ def mixed_patch(full: Sequence[tuple[Factors, Factors]], gains: Sequence[tuple[t
         raise ValueError(f"full ({len(full)}), gains ({len(gains)}) and metrics ({len(metrics)}) differ in layers")
     tokens = int(full[0][0].u.shape[0])
     features = [(fk.vt[0].numel(), fv.vt[0].numel()) for fk, fv in full]
-    errors = []
-    for pair, ms in zip(full, metrics):
-        errs = [quantisation_errors(f, m) for f, m in zip(pair, ms)]
-        errors.append(tuple((e[8], e[4]) for e in errs))
+    by_slot = []
+    for slot in (0, 1):  # one batch per slot when the layers' blocks share a shape and metric kind
+        fs, ms = [pair[slot] for pair in full], [m[slot] for m in metrics]
+        same = len({(f.u.shape, f.vt.shape, m is None or tuple(m.shape)) for f, m in zip(fs, ms)}) == 1
+        batch = _errors_batch(fs, ms) if same else None
+        by_slot.append([(batch[8][i], batch[4][i]) if batch else
+                        (lambda e: (e[8], e[4]))(quantisation_errors(f, m)) for i, (f, m) in enumerate(zip(fs, ms))])
+    errors = list(zip(*by_slot))
     plan = budget_mixed(tokens, features, budget_bytes, list(gains), errors)
     ranks = [(rk, rv) for (rk, _), (rv, _) in plan]
     heads = [(hk, hv) for (_, hk), (_, hv) in plan]

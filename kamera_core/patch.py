@@ -354,7 +354,8 @@ def _metric_sqrt(metric: Tensor, heads: int, dim: int, inverse: bool = True) -> 
     """(W, W⁻¹), each `[H, D, D]` float64, with W·Wᵀ = Σ_h + ridge: any such W gives the weighted
     norm (||E·W||²_F = tr(E·M·Eᵀ)) and the same singular values of X·W. The Cholesky factor
     (lower) when the ridged blocks are positive definite, else the symmetric root of the
-    eigendecomposition (which also checks the metric is positive semi-definite)."""
+    eigendecomposition (which also checks the metric is positive semi-definite). `inverse=False`
+    skips W⁻¹ on the Cholesky path (None there) for callers that only weigh by W."""
     sigma = metric.to(torch.float64)
     sigma = (sigma + sigma.transpose(-1, -2)) / 2  # symmetrise rounding noise
     scale = sigma.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / dim  # trace(Σ_h)/D, (H, 1)

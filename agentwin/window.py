@@ -19,7 +19,7 @@ for antecedents never seen; "origin-neighbour" / "origin-present" / "origin-eith
 the same neighbour, or behind a neighbour whose key summary is close to that one's; blind reuse
 otherwise, where a stale patch was measured worse than none), "orbit", "fresh" (a conditioned
 pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
-canonical KV by default (`patch_bytes`), spread over layers, int8 factors (`agentwin.window_fit`
+canonical KV by default (`patch_bytes`), spread over layers, mixed int8 / 4-bit factors (`agentwin.window_fit`
 has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
 window then reproduces a re-prefill. The patch guard keeps a low-rank patch only where it beats
 blind reuse on the chunk's last rows (`guard="auto"`, the default: on below a 6% byte budget and

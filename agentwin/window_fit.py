@@ -59,7 +59,7 @@ from typing import Any
 from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
 from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
-from kamera_core import budget as kb, patch as kp
+from kamera_core import budget as kb, mixed, patch as kp
 from kamera_core.relocate import relocate_keys
 
 RESIDUAL = "residual"
@@ -219,7 +219,7 @@ def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = Non
     name = "alloc" if metrics is None else window.fit
     factors = [(fk, fv) for (fk, _, _), (fv, _, _) in full]
     if window.storage == kb.MIXED:
-        return kp.mixed_patch(factors, gains, list(zip(ks, vs)), _bytes(window, tokens, features, held), name)
+        return mixed.mixed_patch(factors, gains, list(zip(ks, vs)), _bytes(window, tokens, features, held), name)
     ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
     return kp.truncated_patch(factors, ranks, name, window.storage)
 

@@ -21,13 +21,12 @@ from kamera_core.patch import (
     orbit_deficit,
     output_metric,
     layer_normaliser,
-    mixed_patch,
     OUTPUT_FITS,
-    quantisation_errors,
     query_second_moment,
     quantize,
     value_spread,
 )
+from kamera_core.mixed import mixed_patch, quantisation_errors
 from kamera_core.relocate import (
     phases,
     relocate_keys,

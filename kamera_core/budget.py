@@ -160,7 +160,7 @@ def budget_mixed(
 
     gains: as `budget_ranks` (σ² per component, normaliser). errors: per layer and K/V the error
     each component adds when stored in 8 and in 4 bits, `(e8 [n], e4 [n])` in σ²'s unit
-    (`kamera_core.patch.quantisation_errors`). A greedy over two kinds of step, by gain per byte:
+    (`kamera_core.mixed.quantisation_errors`). A greedy over two kinds of step, by gain per byte:
     keep the next component in 4 bits (gain σ² − e4, about (T + F)/2 + 8 bytes), or move the next
     4-bit component of a block into int8 (gain e4 − e8, about (T + F)/2 more). The int8 components
     are always a block's leading ones. Each step is charged its exact bytes (`mixed_bytes`); a

@@ -17,7 +17,7 @@ from agentwin.eval.baselines import Result, placed_kv, with_canonical_build
 from agentwin.eval.contexts import Chunk, Context, first_position, forward_chunk, join_chunks, position_ids
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
-from kamera_core import budget as kb, kv_layout, patch as kp, rope_specs
+from kamera_core import budget as kb, kv_layout, mixed, patch as kp, rope_specs
 
 OUTPUT_METHODS = {f"kamera-{fit}": exponent for fit, exponent in kp.OUTPUT_FITS.items()}
 RESIDUAL_METHOD = "kamera-residual"
@@ -147,13 +147,13 @@ def patch_at(fits: PatchFits, budget_bytes: int, storage: str = "fp16") -> kp.Ch
     layer (kamera-svd, kamera-query), or ranks spread over layers and K/V by the greedy allocator
     on each block's gains normalised by its deficit energy (kamera-alloc, kamera-orbit) or by
     its layer's values' spread (kamera-output). Storage "mixed" (allocator methods only): the
-    allocator also chooses which components stay int8 (`kamera_core.patch.mixed_patch`)."""
+    allocator also chooses which components stay int8 (`kamera_core.mixed.mixed_patch`)."""
     alloc = fits.method in ALLOC_METHODS
     gains = [((gk, ek), (gv, ev)) for (gk, gv), (ek, ev) in zip(fits.gains, fits.energy)] if alloc else None
     if storage == kb.MIXED:
         if not alloc:
             raise ValueError(f"mixed storage needs an allocator method ({ALLOC_METHODS}), got {fits.method}")
-        return kp.mixed_patch(fits.full, gains, fits.metrics, budget_bytes, fits.method)
+        return mixed.mixed_patch(fits.full, gains, fits.metrics, budget_bytes, fits.method)
     ranks = kb.budget_ranks(fits.tokens, fits.features, budget_bytes, storage, gains)
     return kp.truncated_patch(fits.full, ranks, fits.method, storage)
 

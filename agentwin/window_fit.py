@@ -191,8 +191,13 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
     if window.rank != BUDGET:
         return [(window.rank, window.rank)] * len(deltas)
     tokens, features = _shape(deltas)
-    storage = "int8" if window.storage == kb.MIXED else window.storage  # max_kl's ladder under mixed storage
-    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), storage)
+    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), one_rank_storage(window.storage))
+
+
+def one_rank_storage(storage: str) -> str:
+    """The factors' form when one rank is set for every layer (max_kl's ladder): "mixed" is the
+    allocator's per-component choice, so such patches take int8 under it."""
+    return "int8" if storage == kb.MIXED else storage
 
 
 def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None,
@@ -258,8 +263,8 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
         first = max(1, layer_ranks(window, deltas, held)[0][0])
-        storage = "int8" if window.storage == kb.MIXED else window.storage  # its ladder is one rank everywhere
-        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, storage, window.max_kl, start, *probed)
+        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, one_rank_storage(window.storage), window.max_kl,
+                          start, *probed)
     else:
         if window.fit == RESIDUAL and probed is not None and text:
             patch = residual_patch(window, deltas, held, probed[1], start)

@@ -60,6 +60,7 @@ from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
 from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, mixed, patch as kp
+from kamera_core.fit_batch import fit_with_gains_batch
 from kamera_core.relocate import relocate_keys
 
 RESIDUAL = "residual"
@@ -214,7 +215,8 @@ def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = Non
     tokens, features = _shape(deltas)
     ks = [None] * len(deltas) if metrics is None else metrics
     vs = [None] * len(deltas) if value_metrics is None else value_metrics
-    full = [(kp.fit_with_gains(dk, mk), kp.fit_with_gains(dv, mv)) for (dk, dv), mk, mv in zip(deltas, ks, vs)]
+    fits = fit_with_gains_batch([d for pair in deltas for d in pair], [m for pair in zip(ks, vs) for m in pair])
+    full = list(zip(fits[0::2], fits[1::2]))
     if metrics is None:
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
     else:

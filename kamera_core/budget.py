@@ -184,37 +184,44 @@ def budget_mixed(
             # A zero normaliser (a block with no deficit) is floored as `budget_ranks` floors it.
             blocks.append((check_rank(feats[slot], "feature size"), g.tolist(), e8.tolist(), e4.tolist(),
                            max(float(norm), 1e-30)))
-    rank, head, version = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
-    open_buy, open_up = [True] * len(blocks), [True] * len(blocks)
-    heap: list[tuple[float, int, int, int]] = []  # (−gain per byte, block, kind 0 buy / 1 upgrade, version)
+    n = len(blocks)
 
     def size(f: int, r: int, h: int) -> int:  # mixed_bytes without its argument checks (the hot loop)
         return h * (t + f + 8) + (r - h + 1) // 2 * (t + f) + 8 * (r - h)
 
-    def push(i: int) -> None:
-        f, g, e8, e4, norm = blocks[i]
-        half = (t + f) / 2
-        r, h = rank[i], head[i]
-        if open_buy[i] and r < len(g) and g[r] - e4[r] > 0:
-            heapq.heappush(heap, (-(g[r] - e4[r]) / norm / (half + 8), i, 0, version[i]))
-        if open_up[i] and h < r and e4[h] - e8[h] > 0:
-            heapq.heappush(heap, (-(e4[h] - e8[h]) / norm / half, i, 1, version[i]))
+    rank, head = [0] * n, [0] * n
+    open_step = [[True] * n, [True] * n]  # per kind (0 buy, 1 upgrade): whether the block still takes it
+    version = [[0] * n, [0] * n]  # per kind: entries of older versions are stale
+    heap: list[tuple[float, int, int, int]] = []  # (−gain per byte, block, kind, version)
 
-    for i in range(len(blocks)):
-        push(i)
+    def push(i: int, kind: int) -> None:  # a buy's priority depends on the rank only, an upgrade's on the head
+        f, g, e8, e4, norm = blocks[i]
+        r, h = rank[i], head[i]
+        version[kind][i] += 1
+        if not open_step[kind][i]:
+            return
+        if kind == 0 and r < len(g) and g[r] - e4[r] > 0:
+            heapq.heappush(heap, (-(g[r] - e4[r]) / norm / ((t + f) / 2 + 8), i, 0, version[0][i]))
+        elif kind == 1 and h < r and e4[h] - e8[h] > 0:
+            heapq.heappush(heap, (-(e4[h] - e8[h]) / norm / ((t + f) / 2), i, 1, version[1][i]))
+
+    for i in range(n):
+        push(i, 0)
     while heap:
         _, i, kind, ver = heapq.heappop(heap)
-        if ver != version[i]:
+        if ver != version[kind][i]:
             continue
         f, r, h = blocks[i][0], rank[i], head[i]
         after = (r + 1, h) if kind == 0 else (r, h + 1)
         cost = size(f, *after) - size(f, r, h)
         if cost > left:
-            (open_buy if kind == 0 else open_up)[i] = False
-        else:
-            left -= cost
-            rank[i], head[i] = after
-        version[i] += 1
-        push(i)
+            open_step[kind][i] = False
+            version[kind][i] += 1
+            continue
+        left -= cost
+        rank[i], head[i] = after
+        push(i, kind)
+        if kind == 0 and h == r:  # its first 4-bit component: an upgrade is possible now
+            push(i, 1)
     pairs = list(zip(rank, head))
     return [(pairs[2 * layer], pairs[2 * layer + 1]) for layer in range(len(features))]

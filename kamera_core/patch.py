@@ -118,16 +118,12 @@ class Factors:
         """Dequantised `(u [T, m], vt [m, *F])` in `dtype` (int8 scaling done in ≥ float32)."""
         if self.u_scale is None:
             return self.u.to(dtype), self.vt.to(dtype)
-        u, vt = self._codes()
-        return quant.dequantise(u, self.u_scale, 1, dtype), quant.dequantise(vt, self.vt_scale, 0, dtype)
-
-    def _codes(self) -> tuple[Tensor, Tensor]:
-        """The integer codes of every component, `(u [T, m], vt [m, *F])` int8 (int form only)."""
         if self.u4 is None:
-            return self.u, self.vt
-        m4 = self.int4_rank
-        return (torch.cat([self.u, quant.unpack4(self.u4, m4, 1)], dim=1),
-                torch.cat([self.vt, quant.unpack4(self.vt4, m4, 0)], dim=0))
+            return quant.dequantise(self.u, self.u_scale, 1, dtype), quant.dequantise(self.vt, self.vt_scale, 0, dtype)
+        compute, m4 = torch.promote_types(dtype, torch.float32), self.int4_rank
+        u = torch.cat([self.u.to(compute), quant.unpack4_values(self.u4, m4, 1, compute)], dim=1)
+        vt = torch.cat([self.vt.to(compute), quant.unpack4_values(self.vt4, m4, 0, compute)], dim=0)
+        return quant.dequantise(u, self.u_scale, 1, dtype), quant.dequantise(vt, self.vt_scale, 0, dtype)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The patch `u·vt` as a dense `[T, *F]` tensor of `dtype` (a zero tensor at rank 0)."""
@@ -527,14 +523,12 @@ def quantize(f: Factors, storage: str, int8_rank: int | None = None) -> Factors:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     head = f.rank if storage == "int8" or int8_rank is None else min(check_rank(int8_rank, "int8_rank"), f.rank)
     u, vt = f.factors(torch.float32)
-    qu, u_scale = quant.quantise(u[:, :head], 8, 1)
-    qvt, vt_scale = quant.quantise(vt[:head], 8, 0)
     if head == f.rank:
+        (qu, u_scale), (qvt, vt_scale) = quant.quantise(u, 8, 1), quant.quantise(vt, 8, 0)
         return Factors(qu, qvt, u_scale, vt_scale)
-    tu, tu_scale = quant.quantise(u[:, head:], 4, 1)
-    tvt, tvt_scale = quant.quantise(vt[head:], 4, 0)
-    return Factors(qu, qvt, torch.cat([u_scale, tu_scale]), torch.cat([vt_scale, tvt_scale]),
-                   quant.pack4(tu, 1), quant.pack4(tvt, 0))
+    (qu, u_scale), (qvt, vt_scale) = quant.quantise_mixed(u, head, 1), quant.quantise_mixed(vt, head, 0)
+    return Factors(qu[:, :head].contiguous(), qvt[:head].contiguous(), u_scale, vt_scale,
+                   quant.pack4(qu[:, head:], 1), quant.pack4(qvt[head:], 0))
 
 
 def build_patch(
@@ -606,7 +600,12 @@ def truncated_patch(full: Sequence[tuple[Factors, Factors]], ranks: Sequence[tup
     heads = int8_ranks if storage == MIXED else [(None, None)] * len(ranks)
 
     def cut(f: Factors, r: int, head: int | None) -> Factors | None:
-        return quantize(f.truncate(min(r, f.rank)), storage, head) if r else None
+        if not r:
+            return None
+        r = min(r, f.rank)
+        if storage in ("int8", MIXED) and f.u_scale is None:  # quantize writes new tensors: no copy first
+            return quantize(Factors(f.u[:, :r], f.vt[:r]), storage, head)
+        return quantize(f.truncate(r), storage, head)
 
     return ChunkPatch(tuple(LayerPatch(cut(fk, rk, hk), cut(fv, rv, hv))
                             for (fk, fv), (rk, rv), (hk, hv) in zip(full, ranks, heads)), method)

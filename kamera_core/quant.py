@@ -29,6 +29,21 @@ def quantise(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor]:
     return codes, scale.reshape(-1).float()
 
 
+def quantise_mixed(x: Tensor, head: int, dim: int) -> tuple[Tensor, Tensor]:
+    """`quantise` of the first `head` components (indices along `dim`) in 8 bits and the rest in
+    4, in one pass: the same codes and scales as the two calls, all the components' codes int8."""
+    count = x.shape[dim]
+    levels = torch.full((count,), float(LEVELS[8]), dtype=torch.float32, device=x.device)
+    levels[head:] = LEVELS[4]
+    shape = [1] * x.dim()
+    shape[dim % x.dim()] = count
+    levels = levels.reshape(shape)
+    other = [d for d in range(x.dim()) if d != dim % x.dim()]
+    scale = x.abs().amax(dim=other, keepdim=True) / levels
+    codes = torch.minimum(torch.maximum((x / torch.where(scale > 0, scale, 1.0)).round(), -levels), levels)
+    return codes.to(torch.int8), scale.reshape(-1).float()
+
+
 def dequantise(codes: Tensor, scale: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     """`codes · scale` along `dim`, computed in at least float32, returned as `dtype`."""
     compute = torch.promote_types(dtype, torch.float32)
@@ -53,6 +68,15 @@ def unpack4(packed: Tensor, count: int, dim: int) -> Tensor:
     both = torch.stack([(p & 15) - _OFFSET, (p >> 4) - _OFFSET], dim=1)  # (n, 2, ...)
     codes = both.reshape(-1, *p.shape[1:])[:count]
     return codes.to(torch.int8).movedim(0, dim).contiguous()
+
+
+def unpack4_values(packed: Tensor, count: int, dim: int, dtype: torch.dtype) -> Tensor:
+    """`unpack4(packed, count, dim)` as floating `dtype` values, without the int8 round trip (the
+    hot path of reading mixed factors in attention)."""
+    both = torch.stack([packed & 15, packed >> 4], dim=dim % packed.dim() + 1)  # (..., n, 2, ...)
+    shape = list(packed.shape)
+    shape[dim % packed.dim()] *= 2
+    return both.reshape(shape).narrow(dim, 0, count).to(dtype) - _OFFSET
 
 
 def packed_size(count: int) -> int:

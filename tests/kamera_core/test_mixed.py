@@ -161,3 +161,51 @@ def test_mixed_factors_refuse_inconsistent_parts():
         Factors(*q.factors(), None, None, q.u4, q.vt4)
     with pytest.raises(ValueError, match="int8_ranks"):
         build_patch([(_delta(1), _delta(2))], [(2, 2)], "svd", storage="mixed")
+
+
+def test_quantise_mixed_and_unpack4_values_match_their_two_step_forms():
+    g = torch.Generator().manual_seed(9)
+    for dim, shape in ((1, (11, 7)), (0, (7, 3, 5))):
+        x = torch.randn(shape, generator=g)
+        x.select(dim, 2).zero_()  # an all-zero component: scale 0, codes 0
+        for head in (0, 3, 7):
+            codes, scale = quant.quantise_mixed(x, head, dim)
+            c8, s8 = quant.quantise(x.narrow(dim, 0, head), 8, dim)
+            c4, s4 = quant.quantise(x.narrow(dim, head, 7 - head), 4, dim)
+            assert torch.equal(codes, torch.cat([c8, c4], dim)) and torch.equal(scale, torch.cat([s8, s4]))
+            if head < 7:
+                packed = quant.pack4(c4, dim)
+                want = quant.unpack4(packed, 7 - head, dim).float()
+                assert torch.equal(quant.unpack4_values(packed, 7 - head, dim, torch.float32), want)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.3])
+def test_mixed_patch_computes_errors_lazily_and_plans_as_with_all_of_them(fraction, monkeypatch):
+    """The plan from errors computed only as far as the allocator reaches is the plan from every
+    component's errors, with one block (a K scaled up, all blocks in one unit) taking more
+    components than the first look gives it."""
+    import kamera_core.mixed as mixed
+
+    t, layers = 40, 3
+    deltas = [(_delta(20 + i, t) * (30 if i == 0 else 1), _delta(40 + i, t)) for i in range(layers)]  # one K dominates
+    metrics = [(_metric(H, D, 60 + i), None) for i in range(layers)]
+    fits = [(fit_with_gains(dk, mk), fit_with_gains(dv)) for (dk, dv), (mk, _) in zip(deltas, metrics)]
+    full = [(fk[0], fv[0]) for fk, fv in fits]
+    gains = [((fk[1], 1.0), (fv[1], 1.0)) for fk, fv in fits]  # one unit for all, as the output fits have
+    errors = [tuple((lambda e: (e[8], e[4]))(quantisation_errors(f, m)) for f, m in zip(pair, ms))
+              for pair, ms in zip(full, metrics)]
+    budget = int(fraction * layers * 2 * t * H * D * 4)
+    plan = budget_mixed(t, [(H * D, H * D)] * layers, budget, gains, errors)
+    seen = []
+    monkeypatch.setattr(mixed, "FIRST_COMPONENTS", 4)
+    real = mixed._errors_batch
+    monkeypatch.setattr(mixed, "_errors_batch", lambda *a, **k: seen.append((a[2], a[3])) or real(*a, **k))
+    patch = mixed_patch(full, gains, metrics, budget, "alloc")
+    got = [tuple((lp_f.rank - lp_f.int4_rank, lp_f.rank) if lp_f is not None else (0, 0) for lp_f in (lp.k, lp.v))
+           for lp in patch.layers]
+    assert got == [((hk, rk), (hv, rv)) for (rk, hk), (rv, hv) in plan]
+    assert patch.nbytes <= budget
+    if fraction < 0.3:  # the dominant block outgrew the first look, and no block needed every component
+        assert any(first > 0 for first, _ in seen) and max(stop for _, stop in seen) < H * D
+    else:  # the first look (twice the average 4-bit components) already covers every component
+        assert seen == [(0, H * D)] * 2

@@ -39,7 +39,15 @@ def test_a_tight_target_raises_the_rank_and_a_loose_one_spends_nothing(name):
     (rank,) = tight.stats().kl_ranks
     assert rank > 1 and tight.stats().patch_bytes > fixed.stats().patch_bytes
     assert tight.stats().forward_tokens["guard"] > 0  # the probe forwards are counted
-    assert kl_tight < 0.2 * kl_fixed and kl_tight < 0.2 * blind
+    assert kl_tight < 0.2 * blind
+    # Against rank 1: much closer, unless rank 1 already reads at this comparison's float floor
+    # (the exact patch's own KL; tiny-gpt-neox's rank-1 patch is there), where nothing can beat
+    # it and the tight patch must read at that floor too.
+    _, floor = _served_with_patch(km, rank=None)
+    if kl_fixed > 2 * floor:
+        assert kl_tight < 0.2 * kl_fixed
+    else:
+        assert kl_tight < 2 * floor
     # Loose: blind reuse already meets it, so no bytes are spent and B reads as blind reuse does.
     assert loose.stats().kl_ranks == [0] and loose.stats().patch_bytes == 0
     assert kl_loose == pytest.approx(blind, rel=1e-4, abs=1e-9)

@@ -6,9 +6,14 @@ anyway (forward pre-hooks: no extra forward, nothing kept but one number per row
 A layer's attention error is added to the residual stream h; every later read of it goes through
 a normalisation that divides by ||h||, so an error matters in proportion to the stream's size
 where it lands. fit="residual" measures each layer's K and V error in the residual stream
-(`kamera_core.patch.projection_metric`) relative to Σ ||h||² over the chunk's rows there. Gemma-3
-normalises the attention's output again before adding it to the stream; the metric leaves that
-rescaling out (a first-order weighting, not an exact one, on every family).
+(`kamera_core.patch.projection_metric`) relative to Σ ||h||² over the chunk's rows there.
+
+Gemma-2 and Gemma-3 normalise the attention's output again before adding it to the stream (the
+"sandwich" norm, `post_attention_norm`): an error e in the projected output y lands as
+g ⊙ e / rms(y), so for those layers the projection is weighed by the norm's gain g
+(`projection_metrics`) and the stream's size is divided by the mean of 1 / (mean(y²) + ε) over the
+chunk's rows (`recording`). Both are first-order weightings, not exact ones, on every family (the
+norm's Jacobian also removes e's component along y, about 1/hidden of a random e's energy).
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[torch.Tensor]:
-    """Per layer `kamera_core.patch.projection_metric` of its attention's output projection
-    (computed once per model, float64; `ResidualUnsupported` where a layer shows none)."""
+    """Per layer `kamera_core.patch.projection_metric` of its attention's output projection, its
+    rows scaled by the gain of a post-attention norm where the layer has one (`norm_gain`)
+    (computed once per model, float64; `ResidualUnsupported` where a layer shows no projection, or
+    a post-attention norm that is not an RMS norm)."""
     if model in _METRICS:
         return _METRICS[model]
     out = []
@@ -50,9 +57,45 @@ def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[to
             raise ResidualUnsupported(f"decoder layer {i} of {type(model).__name__} shows no attention output "
                                       f"projection (self_attn.o_proj, attention.dense, ...); fit='residual' cannot "
                                       f"weigh its output: use fit='output'")
+        norm = post_attention_norm(layer)
+        if norm is not None:
+            weight = norm_gain(norm, int(weight.shape[0]), i)[0].to(weight.device)[:, None] * weight.detach().double()
         out.append(kp.projection_metric(weight, num_kv_heads, value_dim))  # it detaches the weight
     _METRICS[model] = out
     return out
+
+
+def post_attention_norm(layer: Any) -> Any:
+    """The norm a decoder layer applies to its attention's output before adding it to the stream,
+    or None: Gemma-2/3's `post_attention_layernorm` (their layers also have a
+    `pre_feedforward_layernorm`; elsewhere `post_attention_layernorm` is the MLP's input norm)."""
+    if getattr(layer, "pre_feedforward_layernorm", None) is None:
+        return None
+    return getattr(layer, "post_attention_layernorm", None)
+
+
+def _eps(norm: Any) -> float:
+    return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+
+
+def norm_gain(norm: Any, hidden: int, index: int = 0) -> tuple[torch.Tensor, float]:
+    """`(g [hidden] float64, ε)` of an RMS norm, y = x / sqrt(mean(x²) + ε) ⊙ g, read from the
+    module itself (a vector of ones gives g / sqrt(1 + ε), whatever the weight's convention, e.g.
+    Gemma's 1 + w) and checked on a random vector; `ResidualUnsupported` if it is not of that form."""
+    eps = _eps(norm)
+    param = next(iter(norm.parameters()), None)
+    dtype = torch.float32 if param is None else param.dtype
+    device = None if param is None else param.device
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        gain = norm(torch.ones(1, hidden, device=device, dtype=dtype))[0].double() * (1 + eps) ** 0.5
+        got = norm(x)[0].double()
+    want = x[0].double() * torch.rsqrt(x[0].double().square().mean() + eps) * gain
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+        raise ResidualUnsupported(f"decoder layer {index}'s post-attention norm ({type(norm).__name__}) is not an RMS "
+                                  f"norm; fit='residual' cannot weigh the attention's output through it: use fit='output'")
+    return gain.cpu(), eps
 
 
 # (attention module, output projection) names across the RoPE families transformers ships.
@@ -75,18 +118,34 @@ def _projection(layer: Any) -> torch.Tensor | None:
 def recording(model: Any, rows: slice | None = None) -> Iterator[dict[int, torch.Tensor]]:
     """Within the block, every forward records per decoder layer the squared norm of the residual
     stream entering it, `[n]` float64 for the rows `rows` of the (single) sequence (default all);
-    the dict maps layer index to the last forward's rows."""
+    the dict maps layer index to the last forward's rows. For a layer with a post-attention norm
+    (`post_attention_norm`) the rows' values are divided by the mean over those rows of
+    1 / (mean(y²) + ε), y the attention's projected output entering that norm: the stream's size
+    in the unit `projection_metrics` measures that layer's errors in."""
     found: dict[int, torch.Tensor] = {}
+    pick = rows if rows is not None else slice(None)
 
     def hook(index: int):
         def record(module: Any, args: tuple, kwargs: dict) -> None:
             h = args[0] if args else kwargs.get("hidden_states")
             if isinstance(h, torch.Tensor) and h.dim() == 3:
-                found[index] = h[0, rows if rows is not None else slice(None)].detach().double().square().sum(-1)
+                found[index] = h[0, pick].detach().double().square().sum(-1)
         return record
 
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True)
-               for i, layer in enumerate(decoder_layers(model))]
+    def post(index: int, eps: float):
+        def rescale(module: Any, args: tuple) -> None:
+            y = args[0] if args else None
+            if isinstance(y, torch.Tensor) and y.dim() == 3 and index in found:
+                inverse = 1.0 / (y[0, pick].detach().double().square().mean(-1) + eps)
+                found[index] = found[index] / inverse.mean()
+        return rescale
+
+    layers = decoder_layers(model)
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    for i, layer in enumerate(layers):
+        norm = post_attention_norm(layer)
+        if norm is not None:
+            handles.append(norm.register_forward_pre_hook(post(i, _eps(norm))))
     try:
         yield found
     finally:

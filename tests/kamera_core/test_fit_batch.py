@@ -81,4 +81,18 @@ def test_roots_are_reused_only_for_the_same_unmodified_tensor():
     assert torch.equal(metric_roots([copy])[0], scaled)  # another tensor, same values, same root
     _, inv = metric_roots([copy], inverse=True)  # a kept root without its inverse is completed
     assert torch.allclose(inv[0] @ scaled[0], torch.eye(D, dtype=torch.float64).expand(H, D, D), atol=1e-9)
-    assert len(fit_batch._ROOTS) <= 64
+
+
+def test_kept_roots_stay_within_their_bytes(monkeypatch):
+    one = H * D * D * 8  # one root's float64 bytes
+    monkeypatch.setattr(fit_batch, "_ROOTS", type(fit_batch._ROOTS)())
+    monkeypatch.setattr(fit_batch, "_ROOTS_BYTES", 3 * one)
+    metrics = [_metric(H, D, 20 + i) for i in range(5)]
+    for m in metrics:
+        metric_roots([m])
+    kept = [held[0]() for held in fit_batch._ROOTS.values()]
+    assert len(kept) == 3 and all(k is m for k, m in zip(kept, metrics[2:]))  # the least recently used went first
+    metric_roots([metrics[2]])  # used again: now the most recent
+    metric_roots([metrics[0]])
+    kept = [held[0]() for held in fit_batch._ROOTS.values()]
+    assert [id(k) for k in kept] == [id(metrics[i]) for i in (4, 2, 0)]

@@ -7,6 +7,7 @@ gives it, up to float64 rounding; `metric_roots` is the batched metric root both
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ Tensor = torch.Tensor
 
 _ROOTS: OrderedDict[int, tuple[weakref.ref, int, Tensor, Tensor | None]] = OrderedDict()  # id → (tensor, version, W, W⁻¹)
 _ROOTS_BYTES = 32 << 20  # the most the kept roots may hold
+_LOCK = threading.Lock()
 
 
 def metric_roots(metrics: Sequence[Tensor], inverse: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -34,18 +36,20 @@ def metric_roots(metrics: Sequence[Tensor], inverse: bool = False) -> tuple[Tens
     the same metrics, and a model's value metrics are the same for every chunk."""
     mts = [check_tensor(mt, "metric") for mt in metrics]
     got: list = [None] * len(mts)
-    for i, mt in enumerate(mts):
-        held = _ROOTS.get(id(mt))
-        if held is not None and held[0]() is mt and held[1] == mt._version and (held[3] is not None or not inverse):
-            got[i] = held
-            _ROOTS.move_to_end(id(mt))
+    with _LOCK:  # windows in several threads share the cache
+        for i, mt in enumerate(mts):
+            held = _ROOTS.get(id(mt))
+            if held is not None and held[0]() is mt and held[1] == mt._version and (held[3] is not None or not inverse):
+                got[i] = held
+                _ROOTS.move_to_end(id(mt))
     missing = [i for i, g in enumerate(got) if g is None]
     if missing:
         low, inv = _metric_roots([mts[i] for i in missing], inverse)
-        for j, i in enumerate(missing):
-            got[i] = (weakref.ref(mts[i]), mts[i]._version, low[j], None if inv is None else inv[j])
-            _ROOTS[id(mts[i])] = got[i]
-        _trim()
+        with _LOCK:
+            for j, i in enumerate(missing):
+                got[i] = (weakref.ref(mts[i]), mts[i]._version, low[j], None if inv is None else inv[j])
+                _ROOTS[id(mts[i])] = got[i]
+            _trim()
     low = torch.stack([g[2] for g in got])
     return low, torch.stack([g[3] for g in got]) if inverse else None
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from agentwin.eval.selection import AMORTISE
+from agentwin.policies import SIMILAR
 
 UNIT_NAMES = {"bytes_frac": "bytes", "compute_frac": "compute at reuse"}
 
@@ -240,6 +241,13 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
                                  f"{_label(k6)} answers wrong where blind reuse answers right on {t['lost_to_blind']} "
                                  f"of {t['n']} test items, and reads further from the re-prefill (next-token KL) on "
                                  f"{t['worse_kl_than_blind']}.")
+                if "guard_acc" in t:
+                    lines.append(f"  - Served as the window serves it, behind its stale-patch guard (`origin-similar`: "
+                                 f"the patch only where the key summaries of A′ and A have cosine ≥ {SIMILAR:g}, "
+                                 f"blind reuse elsewhere): the patch is kept on {t['guard_kept']} of {t['n']} test "
+                                 f"items; accuracy {t['guard_acc']:.3f}, {'—' if math.isnan(t['guard_gap']) else format(t['guard_gap'], '.2f')} of the gap; wrong where "
+                                 f"blind reuse answers right on {t['guard_lost_to_blind']}, further from the "
+                                 f"re-prefill than blind reuse on {t['guard_worse_kl_than_blind']}.")
             anchors = [_pick(sel, {"condition": cond}, f, 0.25) for f in ("cacheblend", "epic", "vlcache")]
             anchors = [a for a in anchors if a and a["test"]]
             if anchors:

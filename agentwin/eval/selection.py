@@ -38,7 +38,11 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     the one-time work spread over N reuses). Rows naming their item ("set", "item": the binding
     task) are also compared with blind reuse on the same item: `worse_kl_than_blind`, the items
     whose next-token KL is above blind reuse's, and `lost_to_blind`, those blind reuse answers
-    right and this method wrong."""
+    right and this method wrong. Kamera rows that carry the item's antecedent `similarity` (the
+    cosine of the key summaries of A′ and of the A the patch was fitted after) are also read as the
+    window's stale-patch guard would serve them (`agentwin.policies.OriginSimilar`: the patch where
+    the cosine is at least `SIMILAR`, blind reuse elsewhere): `guard_kept` (items served the
+    patch), `guard_acc`, `guard_gap`, `guard_lost_to_blind` and `guard_worse_kl_than_blind`."""
     keys = list(dict.fromkeys(tuple(r[g] for g in group) + _key(r) for r in rows))
     by: dict[tuple, list[dict]] = {}
     blind: dict[tuple, dict] = {}
@@ -69,6 +73,8 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
         if pairs:
             s["worse_kl_than_blind"] = sum(r["kl"] > b["kl"] for r, b in pairs)
             s["lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in pairs)
+            if family(key[-2]) == "kamera" and all("similarity" in r for r, _ in pairs):
+                _add_guarded(s, pairs)
         if "greedy_same" in sel[0]:
             weights = [len(r["kls"]) for r in sel]
             s["greedy_same"] = sum(r["greedy_same"] * w for r, w in zip(sel, weights)) / sum(weights)
@@ -76,6 +82,18 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     if out and "acc" in out[0]:
         _add_gaps(out, group)
     return out
+
+
+def _add_guarded(s: dict, pairs: Sequence[tuple[dict, dict]]) -> None:
+    """The guard's figures of one summary row from (row, blind row) pairs of the same items."""
+    from agentwin.policies import SIMILAR
+
+    served = [(r if r["similarity"] >= SIMILAR else b, b) for r, b in pairs]
+    s["guard_kept"] = sum(r["similarity"] >= SIMILAR for r, _ in pairs)
+    s["guard_worse_kl_than_blind"] = sum(r["kl"] > b["kl"] for r, b in served)
+    if "correct" in pairs[0][0]:
+        s["guard_acc"] = statistics.fmean(r["correct"] for r, _ in served)
+        s["guard_lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in served)
 
 
 def _add_gaps(summary: list[dict], group: Sequence[str]) -> None:
@@ -90,6 +108,8 @@ def _add_gaps(summary: list[dict], group: Sequence[str]) -> None:
             s["gap"], s["gap_per_set"] = math.nan, []
             continue
         s["gap"] = gap(s["acc"], full["acc"], blind["acc"])
+        if "guard_acc" in s:
+            s["guard_gap"] = gap(s["guard_acc"], full["acc"], blind["acc"])
         s["gap_per_set"] = [gap(a, f, b) for a, f, b in zip(s["acc_per_set"], full["acc_per_set"], blind["acc_per_set"])]
 
 

@@ -24,6 +24,8 @@ import torch
 from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, metrics as mt, selection
 from agentwin.eval.datasets import make_case
 from agentwin.models.residual import projection_metrics
+from agentwin.window_chunk import key_summary
+from kamera_core.metrics import layer_cosine
 
 PATCH_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", "kamera-output",
                  "kamera-svd-int8", "kamera-query-int8", "kamera-alloc-int8", "kamera-output-int8",
@@ -184,6 +186,9 @@ def binding_item_rows(model: Any, tok: Any, r: Any, plan, tags: dict) -> list[di
     ctx = cx.build_context(model, [cx.text_chunk(a), cx.text_chunk(b)], [q])
     fit_a = cx.text_chunk(torch.tensor(tok.encode(r.a_fit, True)))
     conds = [None, *ek.conditionings(model, [fit_a, ctx.chunks[1]], [None, ctx.canonical[1]])]
+    # What the window's stale-patch guard reads (`agentwin.policies.OriginSimilar`): the cosine of
+    # the key summaries of A′ and of the A the patch was fitted after, both encoded alone.
+    similarity = float(layer_cosine(key_summary(ctx.canonical[0]), key_summary(cx.encode_alone(model, fit_a))[None])[0])
     # Diagnostic: recompute exactly B's object tokens, where the binding lives.
     lo = ctx.bounds[1][0]
     objects = torch.tensor([lo + j for j, t in enumerate(b.tolist()) if tok.vocab[t] in bd.OBJECTS])
@@ -193,7 +198,7 @@ def binding_item_rows(model: Any, tok: Any, r: Any, plan, tags: dict) -> list[di
     for row in [*run_context(ctx, conds, plan, 0), oracle]:
         row.pop("kls")
         row["correct"] = float(row.pop("argmax")[0] == ans)
-        out.append({**tags, **row})
+        out.append({**tags, "similarity": similarity, **row})
     return out
 
 

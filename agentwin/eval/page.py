@@ -239,7 +239,10 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
                     lines.append(f"  - Item by item against blind reuse ({cond}: the patch was fitted after another "
                                  f"antecedent A ≠ A′{', which lists other entities' if cond == 'other-list' else ''}): "
                                  f"{_label(k6)} answers wrong where blind reuse answers right on {t['lost_to_blind']} "
-                                 f"of {t['n']} test items, and reads further from the re-prefill (next-token KL) on "
+                                 f"of {t['n']} test items"
+                                 + (f" (the full re-prefill answers {t['lost_to_blind_full_right']} of them right)"
+                                    if "lost_to_blind_full_right" in t else "")
+                                 + ", and reads further from the re-prefill (next-token KL) on "
                                  f"{t['worse_kl_than_blind']}.")
                 if "guard_acc" in t:
                     lines.append(f"  - Served as the window serves it, behind its stale-patch guard (`origin-similar`: "

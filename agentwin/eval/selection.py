@@ -37,8 +37,9 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     unit), ms and build_ms (measured), ms_at_N and compute_at_N (time and compute per reuse with
     the one-time work spread over N reuses). Rows naming their item ("set", "item": the binding
     task) are also compared with blind reuse on the same item: `worse_kl_than_blind`, the items
-    whose next-token KL is above blind reuse's, and `lost_to_blind`, those blind reuse answers
-    right and this method wrong. Kamera rows that carry the item's antecedent `similarity` (the
+    whose next-token KL is above blind reuse's, `lost_to_blind`, those blind reuse answers
+    right and this method wrong, and `lost_to_blind_full_right`, those of them the full re-prefill
+    answers right too (the others are the model's own error, which blind reuse missed). Kamera rows that carry the item's antecedent `similarity` (the
     cosine of the key summaries of A′ and of the A the patch was fitted after) are also read as the
     window's stale-patch guard would serve them (`agentwin.policies.OriginSimilar`: the patch where
     the cosine is at least `SIMILAR`, blind reuse elsewhere): `guard_kept` (items served the
@@ -46,10 +47,11 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     keys = list(dict.fromkeys(tuple(r[g] for g in group) + _key(r) for r in rows))
     by: dict[tuple, list[dict]] = {}
     blind: dict[tuple, dict] = {}
+    full: dict[tuple, dict] = {}
     for r in rows:
         by.setdefault(tuple(r[g] for g in group) + _key(r), []).append(r)
-        if r["method"] == "blind" and "item" in r:
-            blind[tuple(r[g] for g in group) + (r.get("set", 0), r["item"])] = r
+        if r["method"] in ("blind", "full") and "item" in r:
+            (blind if r["method"] == "blind" else full)[tuple(r[g] for g in group) + (r.get("set", 0), r["item"])] = r
     out = []
     for key in keys:
         sel = by[key]
@@ -73,6 +75,10 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
         if pairs:
             s["worse_kl_than_blind"] = sum(r["kl"] > b["kl"] for r, b in pairs)
             s["lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in pairs)
+            refs = [full.get(tuple(r[g] for g in group) + (r.get("set", 0), r.get("item"))) for r, _ in pairs]
+            if "correct" in sel[0] and all(f is not None for f in refs):
+                s["lost_to_blind_full_right"] = sum(b["correct"] > r["correct"] and f["correct"] >= b["correct"]
+                                                    for (r, b), f in zip(pairs, refs))
             if family(key[-2]) == "kamera" and all("similarity" in r for r, _ in pairs):
                 _add_guarded(s, pairs)
         if "greedy_same" in sel[0]:

@@ -79,6 +79,12 @@ def test_items_are_compared_with_blind_reuse_on_the_same_item():
     s = {r["method"]: r for r in selection.summarise(rows, ("split", "condition"))}
     assert s["kamera-query-int8"]["worse_kl_than_blind"] == 2 and s["kamera-query-int8"]["lost_to_blind"] == 1
     assert s["full"]["worse_kl_than_blind"] == 0 and s["blind"]["lost_to_blind"] == 0
+    assert s["kamera-query-int8"]["lost_to_blind_full_right"] == 1
+    # an item the re-prefill itself gets wrong where blind reuse is right is not the patch's loss
+    rows[5] = row("full", 2, 0.0, 0.0)
+    s = {r["method"]: r for r in selection.summarise(rows, ("split", "condition"))}
+    assert s["kamera-query-int8"]["lost_to_blind"] == 1 and s["kamera-query-int8"]["lost_to_blind_full_right"] == 0
+    assert s["full"]["lost_to_blind"] == 1 and s["full"]["lost_to_blind_full_right"] == 0
 
 
 def test_validation_and_test_items_are_disjoint_and_reuse_another_antecedent():

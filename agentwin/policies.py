@@ -10,8 +10,10 @@ One small object per policy behind one interface, chosen by `Window(patch=...)`:
   every chunk before it at its origin is before it still, else blind reuse; `origin-either`
   (`OriginEither`): the origin patch where either holds; `origin-similar` (`OriginSimilar`): as
   `origin-either`, and also after a new neighbour whose key summary is close to the one it had at
-  its origin (cosine of mean canonical keys at least `SIMILAR`, no forward). Stale-patch guards,
-  measured by `agentwin bench fidelity`.
+  its origin (cosine of mean canonical keys at least `SIMILAR`, no forward); `origin-akin`
+  (`OriginAkin`, the window's default): as `origin-similar`, and also behind a new neighbour at
+  least as close to the old one as the chunk's own summary is. Stale-patch guards, measured by
+  `agentwin bench fidelity` (SmolLM2) and `agentwin bench eval` (the binding model).
 With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
 reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
 is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
@@ -144,6 +146,37 @@ class OriginSimilar(OriginEither):
                 and self.similarity(window, chunk, antecedent_ids) < self.threshold)
 
 
+def serves_akin(similarity: float, own: float, threshold: float = SIMILAR) -> bool:
+    """`origin-akin`'s test for a stale patch behind a new neighbour: the new neighbour's key
+    summary is within cosine `threshold` of the old one's (`similarity`), or at least as close to
+    it as the chunk's own summary is (`own`): the new antecedent resembles the old one no less
+    than the chunk itself does, a scale each model sets for itself."""
+    return similarity >= threshold or similarity >= own
+
+
+class OriginAkin(OriginSimilar):
+    """`origin-similar`, and the origin patch also behind a new neighbour at least as close to
+    the old neighbour (key-summary cosine) as the chunk itself is (`serves_akin`). A model's
+    cosines between unrelated texts can sit anywhere: on SmolLM2 above 0.9, on the binding model
+    well below, where a list of other entities scores 0.35-0.95 against the list a patch was
+    fitted after and the patch still helps. The chunk's own cosine with its old neighbour is the
+    yardstick that moves with the model. No forward: the summaries are kept."""
+
+    name = "origin-akin"
+
+    def own_similarity(self, chunk: Any) -> float:
+        """Cosine of the chunk's own key summary with its neighbour's at its origin; 2 (never
+        reached) when it had none."""
+        if chunk.neighbour is None:
+            return 2.0
+        return float(layer_cosine(chunk.summary, chunk.neighbour[None])[0])
+
+    def declines(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> bool:
+        return (OriginEither.declines(self, window, chunk, antecedent_ids)
+                and not serves_akin(self.similarity(window, chunk, antecedent_ids), self.own_similarity(chunk),
+                                    self.threshold))
+
+
 class Fresh(PatchPolicy):
     name = "fresh"
 
@@ -200,7 +233,7 @@ class OrbitPolicy(PatchPolicy):
 
 
 POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
-                                     OriginEither, OriginSimilar)}
+                                     OriginEither, OriginSimilar, OriginAkin)}
 POLICIES = tuple(POLICY_TYPES)
 
 

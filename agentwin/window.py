@@ -15,9 +15,11 @@ for this very antecedent are already stored is appended with no forward at all.
 
 Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
 for antecedents never seen; "origin-neighbour" / "origin-present" / "origin-either" limit that),
-"origin-similar" (the default: the origin patch while its antecedent is still before it, behind
-the same neighbour, or behind a neighbour whose key summary is close to that one's; blind reuse
-otherwise, where a stale patch was measured worse than none), "orbit", "fresh" (a conditioned
+"origin-similar" (the origin patch while its antecedent is still before it, behind the same
+neighbour, or behind a neighbour whose key summary is close to that one's; blind reuse otherwise,
+where a stale patch was measured worse than none), "origin-akin" (the default: as
+"origin-similar", and also behind a neighbour at least as close to that one as the chunk itself
+is, a yardstick that moves with the model), "orbit", "fresh" (a conditioned
 pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
 canonical KV by default (`patch_bytes`), spread over layers, mixed int8 / 4-bit factors (`agentwin.window_fit`
 has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
@@ -60,7 +62,7 @@ EVICTION = ("fifo", "lru")
 class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
-    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-similar",
+    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-akin",
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "auto",
                  evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
                  patch_bytes: float | None = None) -> None:

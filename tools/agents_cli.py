@@ -45,10 +45,11 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
                             f"a rank (checked by the patch guard), or 'exact' (default {rank})")
     group.add_argument("--patch-bytes", type=fraction_arg, default=None,
                        help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
-    group.add_argument("--patch", choices=("origin-similar", "origin", "fresh", "none"), default="origin-similar",
-                       help="patch policy: origin-similar (fitted at append; after an unrelated new antecedent, none), "
+    group.add_argument("--patch", choices=("origin-akin", "origin-similar", "origin", "fresh", "none"), default="origin-akin",
+                       help="patch policy: origin-akin (fitted at append; after a new antecedent less like the old one "
+                            "than the chunk itself is, none), origin-similar (the same with a fixed cosine only), "
                             "origin (fitted at append, served after any antecedent), fresh (a pass per new "
-                            "antecedent), none (blind) (default origin-similar)")
+                            "antecedent), none (blind) (default origin-akin)")
     group.add_argument("--store", metavar="DIR", help="keep canonical KV and patches on disk in DIR, shared across runs")
     group.add_argument("--max-steps", type=positive_arg, default=max_steps, help=f"decisions before giving up (default {max_steps})")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48,

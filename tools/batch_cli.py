@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rank", type=rank_arg, default="budget",
                        help="antecedent patches: 'budget' (each within 6%% of the chunk's KV bytes, the window's "
                             "default), a rank (checked by the patch guard), or 'exact' (default budget)")
-    group.add_argument("--patch", choices=("origin-similar", "origin", "fresh", "none"), default="origin-similar",
-                       help="patch policy (default origin-similar, as the window's)")
+    group.add_argument("--patch", choices=("origin-akin", "origin-similar", "origin", "fresh", "none"), default="origin-akin",
+                       help="patch policy (default origin-akin, as the window's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

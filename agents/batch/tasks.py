@@ -17,7 +17,7 @@ KIND_DEFAULTS = {"doc": (1024, 12), "web": (2048, 12), "video": (4096, 16)}
 COMMON_FIELDS = ("id", "kind", "source", "question", "task", "script", "max_steps", "budget_tokens",
                  "max_new_tokens", "rank", "patch")
 KIND_FIELDS = {"doc": ("max_chars",), "web": ("allow_hosts",), "video": ("segment_seconds", "fps")}
-PATCHES = ("origin-similar", "origin", "fresh", "none")
+PATCHES = ("origin-akin", "origin-similar", "origin", "fresh", "none")
 
 
 

@@ -34,7 +34,7 @@ class WorkerConfig:
     max_steps: int | None = None
     max_new_tokens: int = 48
     rank: int | str | None = "budget"  # the window's default: within 6% of each chunk's KV bytes
-    patch: str = "origin-similar"
+    patch: str = "origin-akin"
 
 
 def open_task_store(location: str | None, model_fingerprint: str, tenant: str = "") -> Any:

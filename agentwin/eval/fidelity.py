@@ -66,8 +66,10 @@ DEFAULT_FIT = "origin"
 # `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
 # window's default threshold is `agentwin.policies.SIMILAR`).
 SIMILAR_SWEEP = (0.9, 0.95, 0.98, 0.995)
+# `origin-akin@t`: `origin-similar@t`, and also behind a new neighbour at least as close to the old
+# one as the chunk itself is; at the window's threshold only.
 STALE_GUARDS = ("origin-neighbour", "origin-present", "origin-either",
-                *(f"origin-similar@{t:g}" for t in SIMILAR_SWEEP))
+                *(f"origin-similar@{t:g}" for t in SIMILAR_SWEEP), "origin-akin@0.95")
 AGENT_TRACES = ("doc", "web", "video")
 VALIDATION = ("doc",)  # plus every hard-case trace
 TARGET_POINTS = 0.05
@@ -228,12 +230,12 @@ def window_default_patch() -> str:
 def window_policy() -> str:
     """The stale-patch policy of `Window()` at its defaults, named as a candidate of the sweep:
     the fit `origin` when it serves origin patches everywhere, else the guard run that is it."""
-    from agentwin.policies import SIMILAR, OriginSimilar
+    from agentwin.policies import SIMILAR, OriginAkin, OriginSimilar
 
     patch = window_default_patch()
     if patch == "origin":
         return DEFAULT_FIT
-    return f"{patch}@{SIMILAR:g}" if patch == OriginSimilar.name else patch
+    return f"{patch}@{SIMILAR:g}" if patch in (OriginSimilar.name, OriginAkin.name) else patch
 
 
 def stale_cases(runs: dict[str, tuple[Any, dict, list]], default: str | None, guards: Sequence[str]) -> list[dict]:

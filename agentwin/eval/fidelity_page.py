@@ -209,8 +209,10 @@ def _stale_section(result: dict[str, Any], head: str) -> list[str]:
               "chunks agree), `origin-present` only while every chunk before it at its origin is before it still (in "
               "any order), `origin-either` where either of the two holds, `origin-similar@t` as `origin-either` and "
               "also behind a new neighbour whose key summary (mean canonical keys per layer) has cosine at least t "
-              "with that of its neighbour at its origin; blind reuse otherwise. Ties go to the earlier candidate "
-              "(thresholds from low to high: the one serving the patch more often). Chosen on the "
+              "with that of its neighbour at its origin, `origin-akin@t` as `origin-similar@t` and also behind a "
+              "new neighbour at least as close to that one as the chunk's own summary is; blind reuse otherwise. "
+              "Ties go to the earlier candidate (thresholds from low to high: the one serving the patch more "
+              "often). Chosen on the "
               "validation traces ("
               + ", ".join(guard["validation"]) + ") by the fewest stale cases worse than blind, then the lower mean "
               "KL there; reported on the test traces (" + (", ".join(guard["test"]) or "none") + ").", "",

@@ -216,9 +216,18 @@ def _pick(selected: Sequence[dict], where: dict, fam: str, cap: float) -> dict |
     return None
 
 
+def _window_patch() -> str:
+    import inspect
+
+    from agentwin.window import Window
+
+    return inspect.signature(Window.__init__).parameters["patch"].default
+
+
 def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
     """Targets, each stated in one cost unit."""
     lines = ["## Targets", ""]
+    window_patch = _window_patch()
     if binding is not None:
         summ, sel = binding["summary"], binding["selected"]
         for cond in dict.fromkeys(s["condition"] for s in summ):
@@ -244,13 +253,22 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
                                     if "lost_to_blind_full_right" in t else "")
                                  + ", and reads further from the re-prefill (next-token KL) on "
                                  f"{t['worse_kl_than_blind']}.")
-                if "guard_acc" in t:
-                    lines.append(f"  - Served as the window serves it, behind its stale-patch guard (`origin-similar`: "
-                                 f"the patch only where the key summaries of A′ and A have cosine ≥ {SIMILAR:g}, "
-                                 f"blind reuse elsewhere): the patch is kept on {t['guard_kept']} of {t['n']} test "
-                                 f"items; accuracy {t['guard_acc']:.3f}, {'—' if math.isnan(t['guard_gap']) else format(t['guard_gap'], '.2f')} of the gap; wrong where "
-                                 f"blind reuse answers right on {t['guard_lost_to_blind']}, further from the "
-                                 f"re-prefill than blind reuse on {t['guard_worse_kl_than_blind']}.")
+                val = next((v for v in summ if v["split"] == "validation" and v["condition"] == cond
+                            and _label(v) == _label(t)), {})
+                for name, g in t.get("guarded", {}).items():
+                    gv = val.get("guarded", {}).get(name)
+                    rule = ("the patch only where the key summaries of A′ and A have cosine ≥ "
+                            f"{SIMILAR:g}" + (", or at least B's own with A" if name == "origin-akin" else ""))
+                    lines.append(f"  - Served behind the stale-patch guard `{name}`"
+                                 f"{' (the window default)' if name == window_patch else ''} ({rule}; blind "
+                                 f"reuse elsewhere): the patch is kept on {g['kept']} of {t['n']} test items; "
+                                 f"accuracy {g['acc']:.3f}, "
+                                 f"{'—' if math.isnan(g['gap']) else format(g['gap'], '.2f')} of the gap; wrong "
+                                 f"where blind reuse answers right on {g['lost_to_blind']}, further from the "
+                                 f"re-prefill than blind reuse on {g['worse_kl_than_blind']}"
+                                 + (f" (validation: kept on {gv['kept']} of {val['n']}, "
+                                    f"{'—' if math.isnan(gv['gap']) else format(gv['gap'], '.2f')} of the gap)"
+                                    if gv and "gap" in gv else "") + ".")
             anchors = [_pick(sel, {"condition": cond}, f, 0.25) for f in ("cacheblend", "epic", "vlcache")]
             anchors = [a for a in anchors if a and a["test"]]
             if anchors:

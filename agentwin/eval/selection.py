@@ -91,15 +91,20 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
 
 
 def _add_guarded(s: dict, pairs: Sequence[tuple[dict, dict]]) -> None:
-    """The guard's figures of one summary row from (row, blind row) pairs of the same items."""
-    from agentwin.policies import SIMILAR
+    """The stale-patch guards' figures of one summary row from (row, blind row) pairs of the same
+    items: `guarded[policy]` for `origin-similar` and `origin-akin` at the window's threshold."""
+    from agentwin.policies import SIMILAR, serves_akin
 
-    served = [(r if r["similarity"] >= SIMILAR else b, b) for r, b in pairs]
-    s["guard_kept"] = sum(r["similarity"] >= SIMILAR for r, _ in pairs)
-    s["guard_worse_kl_than_blind"] = sum(r["kl"] > b["kl"] for r, b in served)
-    if "correct" in pairs[0][0]:
-        s["guard_acc"] = statistics.fmean(r["correct"] for r, _ in served)
-        s["guard_lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in served)
+    tests = {"origin-similar": lambda r: r["similarity"] >= SIMILAR,
+             "origin-akin": lambda r: serves_akin(r["similarity"], r.get("own_similarity", 2.0))}
+    s["guarded"] = {}
+    for name, keeps in tests.items():
+        served = [(r if keeps(r) else b, b) for r, b in pairs]
+        g = {"kept": sum(keeps(r) for r, _ in pairs), "worse_kl_than_blind": sum(r["kl"] > b["kl"] for r, b in served)}
+        if "correct" in pairs[0][0]:
+            g["acc"] = statistics.fmean(r["correct"] for r, _ in served)
+            g["lost_to_blind"] = sum(b["correct"] > r["correct"] for r, b in served)
+        s["guarded"][name] = g
 
 
 def _add_gaps(summary: list[dict], group: Sequence[str]) -> None:
@@ -114,8 +119,9 @@ def _add_gaps(summary: list[dict], group: Sequence[str]) -> None:
             s["gap"], s["gap_per_set"] = math.nan, []
             continue
         s["gap"] = gap(s["acc"], full["acc"], blind["acc"])
-        if "guard_acc" in s:
-            s["guard_gap"] = gap(s["guard_acc"], full["acc"], blind["acc"])
+        for g in s.get("guarded", {}).values():
+            if "acc" in g:
+                g["gap"] = gap(g["acc"], full["acc"], blind["acc"])
         s["gap_per_set"] = [gap(a, f, b) for a, f, b in zip(s["acc_per_set"], full["acc_per_set"], blind["acc_per_set"])]
 
 

@@ -415,15 +415,16 @@ class AgentwinStrategy(Strategy):
                  budget_tokens: int = 8192, guard: bool | str = False, similar: float | None = None,
                  **window_args: Any) -> None:
         super().__init__(km)
-        from agentwin.policies import OriginSimilar
+        from agentwin.policies import POLICY_TYPES, OriginAkin, OriginSimilar
         from agentwin.window import Window
 
         self.name = name
         self.window = Window(km, budget_tokens=budget_tokens, patch=patch, rank=rank, guard=guard, **window_args)
-        if similar is not None:  # `origin-similar` at another threshold than the window's default
-            if patch != OriginSimilar.name:
-                raise ValueError(f"similar= is a threshold of patch={OriginSimilar.name!r}, not of {patch!r}")
-            self.window._policy = OriginSimilar(similar)
+        if similar is not None:  # `origin-similar` / `origin-akin` at another threshold than the window's default
+            if patch not in (OriginSimilar.name, OriginAkin.name):
+                raise ValueError(f"similar= is a threshold of patch={OriginSimilar.name!r} or {OriginAkin.name!r}, "
+                                 f"not of {patch!r}")
+            self.window._policy = POLICY_TYPES[patch](similar)
         self._id: dict[int, Any] = {}
         self.stale: list[int] = []  # per decision: placements served with a stale patch
 

@@ -186,9 +186,11 @@ def binding_item_rows(model: Any, tok: Any, r: Any, plan, tags: dict) -> list[di
     ctx = cx.build_context(model, [cx.text_chunk(a), cx.text_chunk(b)], [q])
     fit_a = cx.text_chunk(torch.tensor(tok.encode(r.a_fit, True)))
     conds = [None, *ek.conditionings(model, [fit_a, ctx.chunks[1]], [None, ctx.canonical[1]])]
-    # What the window's stale-patch guard reads (`agentwin.policies.OriginSimilar`): the cosine of
-    # the key summaries of A′ and of the A the patch was fitted after, both encoded alone.
-    similarity = float(layer_cosine(key_summary(ctx.canonical[0]), key_summary(cx.encode_alone(model, fit_a))[None])[0])
+    # What the window's stale-patch guards read (`agentwin.policies`): the cosine of the key
+    # summaries of A′ and of the A the patch was fitted after (encoded alone), and of B's and A's.
+    old = key_summary(cx.encode_alone(model, fit_a))[None]
+    similarity = float(layer_cosine(key_summary(ctx.canonical[0]), old)[0])
+    own_similarity = float(layer_cosine(key_summary(ctx.canonical[1]), old)[0])
     # Diagnostic: recompute exactly B's object tokens, where the binding lives.
     lo = ctx.bounds[1][0]
     objects = torch.tensor([lo + j for j, t in enumerate(b.tolist()) if tok.vocab[t] in bd.OBJECTS])
@@ -198,7 +200,7 @@ def binding_item_rows(model: Any, tok: Any, r: Any, plan, tags: dict) -> list[di
     for row in [*run_context(ctx, conds, plan, 0), oracle]:
         row.pop("kls")
         row["correct"] = float(row.pop("argmax")[0] == ans)
-        out.append({**tags, "similarity": similarity, **row})
+        out.append({**tags, "similarity": similarity, "own_similarity": own_similarity, **row})
     return out
 
 

@@ -1,4 +1,4 @@
-"""The window's default stale-patch policy (`origin-similar`) on the real SmolLM2: a hard case's
+"""The window's default stale-patch policy (`origin-akin`) on the real SmolLM2: a hard case's
 chunk B, fitted after (filler, A), read after the filler alone once A has left the window. There
 the origin patch was measured worse than blind reuse (`agentwin bench fidelity`); the default
 must not be, judged against the transformers model's own forward of the same tokens."""

@@ -200,7 +200,7 @@ def test_results_fields_and_page_on_a_tiny_model(km):
     assert result["stale_cases_by_trace"] == {"doc": 1, "hard-code": 3}  # hard-code: the three states after the first
     assert result["stale_cases"] == 4  # every trace's, agent and hard-case
     window = result["window_policy"]
-    assert window == fid.window_policy() == "origin-similar@0.95"
+    assert window == fid.window_policy() == "origin-akin@0.95"
     cases = [c for e in result["traces"].values() for c in e["stale"]]
     assert result["stale_worse_than_blind"] == sum(c["kl_guards"][window] > c["kl_blind"] for c in cases)
     assert result["stale_unguarded"]["worse_than_blind"] == sum(c["kl"] > c["kl_blind"] for c in cases)
@@ -216,10 +216,38 @@ def test_results_fields_and_page_on_a_tiny_model(km):
     assert page.splitlines()[2].startswith("Written by `agentwin bench fidelity --quick`")
     assert f"Stale cases on all traces (agent and hard-case): 4; the window further from the re-prefill than blind " \
            f"reuse in {result['stale_worse_than_blind']} of them" in page
-    assert "The window's default policy in this run: `origin-similar` (`origin-similar@0.95`)" in page
+    assert "The window's default policy in this run: `origin-akin` (`origin-akin@0.95`)" in page
     # The hard-case traces run every by-bytes fit but the always-guarded one, at the headline budget.
     assert set(result["traces"]["hard-code"]["grid"]) == {"origin", "origin-residual-int8", "origin-alloc", "origin-output"}
     assert result["window_fit"] == "residual" and '`fit="residual"`' in page
     assert result["window_storage"] == "auto" and '`storage="auto"`' in page
     result["traces"]["doc"]["chunk_tokens"] = []  # a short trace where no chunk takes a patch
     assert "| doc | no chunk takes a patch |" in render_page(result)
+
+
+@pytest.mark.parametrize("threshold", [1.0, None])
+def test_origin_akin_serves_the_patch_behind_a_neighbour_as_close_as_the_chunk_itself(km, threshold):
+    from agentwin.policies import OriginAkin
+
+    win, (a, b, c) = _window(km, "origin-akin")
+    if threshold is not None:
+        win._policy = OriginAkin(threshold)
+    summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
+    cosine = _cosine(summary[a], summary[b])  # c's neighbour now (a) against at its origin (b)
+    own = _cosine(summary[c], summary[b])  # c itself against its neighbour at its origin
+    served = cosine >= (SIMILAR if threshold is None else threshold) or cosine >= own
+    win.evict(b)  # [a, c]: c after (a), fitted after (a, b): b gone, a new neighbour
+    read = win.next_token_logprobs(QUERY)
+    assert win.stats().stale_patches == int(served)
+    origin, (_a, b2, _c) = _window(km, "origin")
+    origin.evict(b2)
+    blind, (_a, b3, _c) = _window(km, "none")
+    blind.evict(b3)
+    assert torch.allclose(read, (origin if served else blind).next_token_logprobs(QUERY), atol=1e-5)
+
+
+def test_serves_akin_is_the_threshold_or_the_chunks_own_cosine():
+    from agentwin.policies import serves_akin
+
+    assert serves_akin(0.95, 0.99, 0.95) and serves_akin(0.5, 0.4, 0.95) and serves_akin(0.4, 0.4, 0.95)
+    assert not serves_akin(0.9, 0.98, 0.95) and not serves_akin(-0.2, 0.1, 0.95)

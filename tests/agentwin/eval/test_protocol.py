@@ -231,26 +231,33 @@ def test_window_default_is_the_lowest_mean_validation_rank_not_the_most_votes():
         selection.window_default([binding], cap=0.01)
 
 
-def test_binding_items_are_also_read_behind_the_windows_stale_patch_guard():
+def test_binding_items_are_also_read_behind_the_windows_stale_patch_guards():
     from agentwin.policies import SIMILAR
 
-    def row(method, item, kl, correct, similarity):
+    def row(method, item, kl, correct, similarity, own):
         return {"split": "test", "condition": "other-list", "set": 0, "item": item, "method": method, "setting": "",
                 "kl": kl, "top1": correct, "correct": correct, "bytes_frac": 0.0, "compute_frac": 0.0,
-                "build_compute_frac": 0.0, "seconds": 0.0, "build_seconds": 0.0, "similarity": similarity}
+                "build_compute_frac": 0.0, "seconds": 0.0, "build_seconds": 0.0, "similarity": similarity,
+                "own_similarity": own}
 
-    near, far = SIMILAR, SIMILAR - 0.2
+    near, far, own = SIMILAR, SIMILAR - 0.2, SIMILAR - 0.1
     sims = [near, far, far, near]
-    rows = [row("blind", i, kl, c, sims[i]) for i, (kl, c) in enumerate([(1.0, 0.0), (1.0, 0.0), (1.0, 1.0), (1.0, 1.0)])]
-    rows += [row("full", i, 0.0, 1.0, sims[i]) for i in range(4)]
-    # item 0 kept and right; item 1 declined (blind's wrong answer); item 2 declined (blind's right
-    # answer where the patch was wrong); item 3 kept, wrong where blind is right, further in KL
-    rows += [row("kamera-residual-mixed", i, kl, c, sims[i])
+    owns = [own, own, far - 0.1, own]  # item 2: A′ is closer to A than B is, so origin-akin keeps it
+    rows = [row("blind", i, kl, c, sims[i], owns[i])
+            for i, (kl, c) in enumerate([(1.0, 0.0), (1.0, 0.0), (1.0, 1.0), (1.0, 1.0)])]
+    rows += [row("full", i, 0.0, 1.0, sims[i], owns[i]) for i in range(4)]
+    # item 0 kept and right; item 1 declined by both (blind's wrong answer); item 2 declined by
+    # origin-similar (blind's right answer), kept by origin-akin (the patch's wrong one); item 3
+    # kept by both, wrong where blind is right and further in KL
+    rows += [row("kamera-residual-mixed", i, kl, c, sims[i], owns[i])
              for i, (kl, c) in enumerate([(0.1, 1.0), (0.1, 1.0), (2.0, 0.0), (3.0, 0.0)])]
     s = {r["method"]: r for r in selection.summarise(rows, ("split", "condition"))}
     k = s["kamera-residual-mixed"]
     assert k["acc"] == 0.5 and k["lost_to_blind"] == 2 and k["worse_kl_than_blind"] == 2
-    assert k["guard_kept"] == 2 and k["guard_acc"] == 0.5
-    assert k["guard_lost_to_blind"] == 1 and k["guard_worse_kl_than_blind"] == 1
-    assert k["guard_gap"] == pytest.approx(0.0)  # blind 0.5, full 1.0
-    assert "guard_acc" not in s["blind"] and "guard_acc" not in s["full"]
+    similar, akin = k["guarded"]["origin-similar"], k["guarded"]["origin-akin"]
+    assert similar["kept"] == 2 and similar["acc"] == 0.5
+    assert similar["lost_to_blind"] == 1 and similar["worse_kl_than_blind"] == 1
+    assert similar["gap"] == pytest.approx(0.0)  # blind 0.5, full 1.0
+    assert akin["kept"] == 3 and akin["acc"] == 0.25 and akin["lost_to_blind"] == 2
+    assert akin["gap"] == pytest.approx(-0.5)
+    assert "guarded" not in s["blind"] and "guarded" not in s["full"]

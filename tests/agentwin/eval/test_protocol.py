@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from agentwin.eval import baselines as bl, binding as bd, contexts as cx, fits as ek, selection, suite
+from agentwin.eval import binding as bd, contexts as cx, fits as ek, selection, suite
 from agentwin.eval import workloads as wl
 from agentwin.models.zoo import build_tiny
 

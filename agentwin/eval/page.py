@@ -260,7 +260,7 @@ def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
                     rule = ("the patch only where the key summaries of A′ and A have cosine ≥ "
                             f"{SIMILAR:g}" + (", or at least B's own with A" if name == "origin-akin" else ""))
                     lines.append(f"  - Served behind the stale-patch guard `{name}`"
-                                 f"{' (the window default)' if name == window_patch else ''} ({rule}; blind "
+                                 f" ({'the window default: ' if name == window_patch else ''}{rule}; blind "
                                  f"reuse elsewhere): the patch is kept on {g['kept']} of {t['n']} test items; "
                                  f"accuracy {g['acc']:.3f}, "
                                  f"{'—' if math.isnan(g['gap']) else format(g['gap'], '.2f')} of the gap; wrong "

@@ -39,11 +39,13 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     task) are also compared with blind reuse on the same item: `worse_kl_than_blind`, the items
     whose next-token KL is above blind reuse's, `lost_to_blind`, those blind reuse answers
     right and this method wrong, and `lost_to_blind_full_right`, those of them the full re-prefill
-    answers right too (the others are the model's own error, which blind reuse missed). Kamera rows that carry the item's antecedent `similarity` (the
-    cosine of the key summaries of A′ and of the A the patch was fitted after) are also read as the
-    window's stale-patch guard would serve them (`agentwin.policies.OriginSimilar`: the patch where
-    the cosine is at least `SIMILAR`, blind reuse elsewhere): `guard_kept` (items served the
-    patch), `guard_acc`, `guard_gap`, `guard_lost_to_blind` and `guard_worse_kl_than_blind`."""
+    answers right too (the others are the model's own error, which blind reuse missed). Kamera
+    rows that carry the item's antecedent `similarity` (the cosine of the key summaries of A′ and
+    of the A the patch was fitted after) and `own_similarity` (of B's and A's) are also read as the
+    window's stale-patch guards would serve them (`agentwin.policies`: `origin-similar`, the patch
+    where the cosine is at least `SIMILAR`; `origin-akin`, also where it is at least B's own;
+    blind reuse elsewhere): `guarded[policy]` with `kept` (items served the patch), `acc`, `gap`,
+    `lost_to_blind` and `worse_kl_than_blind`."""
     keys = list(dict.fromkeys(tuple(r[g] for g in group) + _key(r) for r in rows))
     by: dict[tuple, list[dict]] = {}
     blind: dict[tuple, dict] = {}

@@ -106,14 +106,23 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("threshold, served", [(-1.0, True), (1.0, False), (None, None)])
 def test_origin_similar_serves_the_patch_behind_a_new_neighbour_by_key_summary_cosine(km, threshold, served):
-    win, (a, b, c) = _window(km, "origin-similar")
-    if threshold is not None:
-        win._policy = OriginSimilar(threshold)
-    summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
-    cosine = _cosine(summary[a], summary[b])  # c's neighbour now (a) against at its origin (b)
+    win, (a, b, c), summary, cosine = _new_neighbour_window(km, "origin-similar", threshold)
     if served is None:  # the default threshold: whichever side of it this pair falls
         served = cosine >= SIMILAR
     _check_new_neighbour(km, win, b, served)
+
+
+def _new_neighbour_window(km, patch: str, threshold: float | None):
+    """The window [a, b, c] under `patch` (at `threshold` where given), the key summaries of the
+    three texts computed here, and the cosine of c's neighbour after b's eviction (a) with its
+    neighbour at its origin (b)."""
+    from agentwin.policies import POLICY_TYPES
+
+    win, (a, b, c) = _window(km, patch)
+    if threshold is not None:
+        win._policy = POLICY_TYPES[patch](threshold)
+    summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
+    return win, (a, b, c), summary, _cosine(summary[a], summary[b])
 
 
 def _check_new_neighbour(km, win, b, served: bool) -> None:
@@ -232,13 +241,7 @@ def test_results_fields_and_page_on_a_tiny_model(km):
 
 @pytest.mark.parametrize("threshold, own_is_one", [(1.0, False), (None, False), (1.0, True)])
 def test_origin_akin_serves_the_patch_behind_a_neighbour_as_close_as_the_chunk_itself(km, threshold, own_is_one):
-    from agentwin.policies import OriginAkin
-
-    win, (a, b, c) = _window(km, "origin-akin")
-    if threshold is not None:
-        win._policy = OriginAkin(threshold)
-    summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
-    cosine = _cosine(summary[a], summary[b])  # c's neighbour now (a) against at its origin (b)
+    win, (a, b, c), summary, cosine = _new_neighbour_window(km, "origin-akin", threshold)
     own = _cosine(summary[c], summary[b])  # c itself against its neighbour at its origin
     if own_is_one:  # c's own summary set to its old neighbour's: no new neighbour is as close
         win._chunks[c].summary = win._chunks[c].neighbour.clone()

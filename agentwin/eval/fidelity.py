@@ -44,6 +44,7 @@ import torch
 from agentwin.eval.hard_cases import hard_case, hard_case_names
 from agentwin.eval.strategies import AgentwinStrategy, Reprefill
 from agentwin.eval.trace import Trace, measure, row_of, score, summarize
+from agentwin.policies import SIMILAR
 from kamera_core.budget import bytes_per_rank
 
 BUDGETS = (0.015, 0.03, 0.06, 0.12)
@@ -69,7 +70,7 @@ SIMILAR_SWEEP = (0.9, 0.95, 0.98, 0.995)
 # `origin-akin@t`: `origin-similar@t`, and also behind a new neighbour at least as close to the old
 # one as the chunk itself is; at the window's threshold only.
 STALE_GUARDS = ("origin-neighbour", "origin-present", "origin-either",
-                *(f"origin-similar@{t:g}" for t in SIMILAR_SWEEP), "origin-akin@0.95")
+                *(f"origin-similar@{t:g}" for t in SIMILAR_SWEEP), f"origin-akin@{SIMILAR:g}")
 AGENT_TRACES = ("doc", "web", "video")
 VALIDATION = ("doc",)  # plus every hard-case trace
 TARGET_POINTS = 0.05
@@ -230,7 +231,7 @@ def window_default_patch() -> str:
 def window_policy() -> str:
     """The stale-patch policy of `Window()` at its defaults, named as a candidate of the sweep:
     the fit `origin` when it serves origin patches everywhere, else the guard run that is it."""
-    from agentwin.policies import SIMILAR, OriginAkin, OriginSimilar
+    from agentwin.policies import OriginAkin, OriginSimilar
 
     patch = window_default_patch()
     if patch == "origin":

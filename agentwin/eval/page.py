@@ -216,18 +216,12 @@ def _pick(selected: Sequence[dict], where: dict, fam: str, cap: float) -> dict |
     return None
 
 
-def _window_patch() -> str:
-    import inspect
-
-    from agentwin.window import Window
-
-    return inspect.signature(Window.__init__).parameters["patch"].default
-
-
 def targets_section(binding: dict | None, smol: dict | None) -> list[str]:
     """Targets, each stated in one cost unit."""
     lines = ["## Targets", ""]
-    window_patch = _window_patch()
+    from agentwin.eval.fidelity import window_default_patch
+
+    window_patch = window_default_patch()
     if binding is not None:
         summ, sel = binding["summary"], binding["selected"]
         for cond in dict.fromkeys(s["condition"] for s in summ):

@@ -40,6 +40,31 @@ def test_each_block_is_its_own_fit(tokens, weighted):
             assert _weighted_err(deltas[i], approx, m) == pytest.approx(want, rel=1e-4, abs=1e-6 * energy)
 
 
+@pytest.mark.parametrize("tokens", [9, 23])  # both routes: the T×T and the F×F Gram matrix
+@pytest.mark.parametrize("weighted", [False, True])
+def test_float32_precision_keeps_the_float64_fit_where_it_is_stored(tokens, weighted):
+    """precision=float32 (the window's route for rounded factors): the leading components and
+    their gains are the float64 fit's up to float32 rounding, each truncation's weighted error is
+    still energy minus its kept gains, measured directly in float64; a lone block is batched too."""
+    deltas = _deltas(4, tokens, 40 + tokens)
+    metrics = [_metric(H, D, 30 + i) for i in range(4)] if weighted else None
+    got = fit_with_gains_batch(deltas, metrics, precision=torch.float32)
+    got += fit_with_gains_batch(deltas[:1], None if metrics is None else metrics[:1], precision=torch.float32)
+    for i, (f, g, energy) in enumerate(got):
+        i %= 4
+        m = None if metrics is None else metrics[i]
+        f1, g1, e1 = fit_with_gains(deltas[i], m)
+        assert f.u.dtype == torch.float32 and g.dtype == torch.float64 and f.rank == f1.rank
+        assert torch.allclose(g, g1, rtol=1e-4, atol=1e-6 * float(g1[0])) and energy == pytest.approx(e1, rel=1e-5)
+        for r in (1, 3, 6):
+            approx = f.truncate(r).dense()
+            assert torch.allclose(approx, f1.truncate(r).dense(), atol=1e-4 * float(deltas[i].abs().max()))
+            want = e1 - float(g1[:r].sum())
+            assert _weighted_err(deltas[i], approx, m) == pytest.approx(want, rel=1e-3, abs=1e-5 * e1)
+    with pytest.raises(ValueError, match="precision must be torch.float64 or torch.float32"):
+        fit_with_gains_batch(deltas, precision=torch.float16)
+
+
 def test_odd_blocks_take_their_own_route():
     deltas = _deltas(4, 11, 3) + [torch.randn(7, H, D)]  # a fifth block of another shape
     metrics = [_metric(H, D, i) for i in range(5)]

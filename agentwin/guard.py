@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from kamera_core import patch as kp
+from kamera_core.fit_batch import fit_with_gains_batch, precision_for
 from kamera_core.metrics import kl_divergence
 from kamera_core.rope import RopeSpec
 from kamera_core.segment import Segment, merge_states, patch_option_states, segment_state
@@ -233,8 +234,12 @@ def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[
     best_kl = tail_kl(km, ids, canonical, (None,), segments, probe, first, start)
     best_kl = None if best_kl is None else best_kl[0]
     best, best_rank, r = empty, 0, min(rank, cap)
+    full = None  # every block decomposed once, on the first rung that needs it; each rung truncates
     while best_kl is not None and best_kl > max_kl:
-        patch = kp.build_patch(deltas, [(r, r)] * len(deltas), "svd", storage=storage)
+        if full is None:
+            fits = fit_with_gains_batch([d for pair in deltas for d in pair], None, precision_for(storage))
+            full = [(fk, fv) for (fk, _, _), (fv, _, _) in zip(fits[0::2], fits[1::2])]
+        patch = kp.truncated_patch(full, [(r, r)] * len(deltas), "svd", storage)
         stats.count("guard", int(probe.rows.numel()))
         kl = tail_kl(km, ids, canonical, (patch,), segments, probe, first, start)[0]
         if kl < best_kl:

@@ -56,13 +56,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
 from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, mixed, patch as kp
-from kamera_core.fit_batch import fit_with_gains_batch
+from kamera_core.fit_batch import fit_with_gains_batch, precision_for
 from kamera_core.relocate import relocate_keys
 
 RESIDUAL = "residual"
@@ -197,13 +195,6 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
     return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), one_rank_storage(window.storage))
 
 
-def fit_precision(storage: str) -> torch.dtype:
-    """The decomposition's float type for patches stored as `storage`: float32 where the stored
-    factors are rounded far more coarsely anyway (int8, mixed, fp16, bf16; about twice as fast,
-    `kamera_core.fit_batch`), float64 for float32 factors."""
-    return torch.float64 if storage == "fp32" else torch.float32
-
-
 def one_rank_storage(storage: str) -> str:
     """The factors' form when one rank is set for every layer (max_kl's ladder): "mixed" is the
     allocator's per-component choice, so such patches take int8 under it."""
@@ -225,7 +216,7 @@ def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = Non
     ks = [None] * len(deltas) if metrics is None else metrics
     vs = [None] * len(deltas) if value_metrics is None else value_metrics
     fits = fit_with_gains_batch([d for pair in deltas for d in pair], [m for pair in zip(ks, vs) for m in pair],
-                                fit_precision(window.storage))
+                                precision_for(window.storage))
     full = list(zip(fits[0::2], fits[1::2]))
     if metrics is None:
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]

@@ -91,6 +91,12 @@ def _metric_roots(mts: list[Tensor], inverse: bool) -> tuple[Tensor, Tensor | No
 PRECISIONS = (torch.float64, torch.float32)
 
 
+def precision_for(storage: str) -> torch.dtype:
+    """The decomposition's float type for factors stored as `storage`: float32 where they are
+    rounded far more coarsely anyway (int8, mixed, fp16, bf16), float64 for float32 factors."""
+    return torch.float64 if storage == "fp32" else torch.float32
+
+
 def fit_with_gains_batch(deltas: Sequence[Tensor], metrics: Sequence[Tensor | None] | None = None,
                          precision: torch.dtype = torch.float64) -> list[tuple[Factors, Tensor, float]]:
     """`[fit_with_gains(d, m) for d, m in zip(deltas, metrics)]`, batched over the blocks that

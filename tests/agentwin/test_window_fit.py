@@ -53,6 +53,27 @@ def test_a_tight_target_raises_the_rank_and_a_loose_one_spends_nothing(name):
     assert kl_loose == pytest.approx(blind, rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.parametrize("storage, rank", [("fp32", 1), ("mixed", "budget")])
+def test_max_kl_keeps_the_plain_fit_at_the_rank_it_chose(storage, rank):
+    """The ladder decomposes each block once and truncates it per rung: the patch it keeps is the
+    plain fit at that rank of a separate capture of the model's forward (`kamera_core.patch.build_patch`;
+    float32 factors from the float64 decomposition, int8 ones, under mixed storage, from the float32
+    one), and the ladder's time is counted as the guard's."""
+    from kamera_core import patch as kp
+
+    km = _km("tiny-llama-gqa")
+    win = Window(km, budget_tokens=4096, rank=rank, storage=storage, max_kl=1e-12)
+    win.append(A)
+    b = win.append(B)
+    (rank,) = win.stats().kl_ranks
+    assert rank > 1 and win.stats().seconds["guard"] > 0  # the target is out of reach: it climbed
+    stored = next(iter(win._chunks[b].patches.values()))
+    deltas, _, _ = _captured(km, win, b)
+    want = kp.build_patch(deltas, [(rank, rank)] * len(deltas), "svd", storage="fp32" if storage == "fp32" else "int8")
+    assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
+    _same_corrected_kv(win._chunks[b].canonical, stored, want)
+
+
 def test_max_kl_is_checked_and_ignored_for_exact_patches():
     km = _km("tiny-llama-gqa")
     for bad in (0, -1.0, "1e-3", True):

@@ -6,19 +6,23 @@ ranks spread over layers and K/V, the window's default storage, and int8 factors
 (`guard="auto"`: on below 6%) and always guarded; then the window with the
 case's noise floor as its fidelity target (`Window(max_kl=...)`).
 
-    python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE]
+    python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE] [--floor-only]
 
 For each case, A then B are appended to a `Window`; B is evicted and recalled to the same slot,
 so it is served from canonical KV plus the stored patch (none for blind reuse), and each
 question's next-token KL is taken against the window's own full re-prefill. The rank of each
 budget is the largest uniform rank whose K and V factors fit it. The noise floor is the KL of a
-bfloat16 re-prefill against the float32 one on the same inputs.
+bfloat16 re-prefill against the float32 one on the same inputs. It depends on the CPU's bfloat16
+path (oneDNN's instruction set: AMX, AVX-512 or AVX2), which the JSON records (`bf16_path`);
+`ONEDNN_MAX_CPU_ISA=AVX2 python -m agentwin.eval.guard_study --floor-only` measures the floors
+alone under a capped one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from typing import Any, Sequence
@@ -57,9 +61,37 @@ def rank_for(budget: float, tokens: int, k_features: int, v_features: int, layer
     return max(1, int(budget * kv_bytes // per_rank))
 
 
-def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf16: Any = None, log=print) -> dict:
+def bf16_path() -> dict[str, Any]:
+    """What the bf16 noise floor depends on here: the oneDNN instruction-set cap (environment),
+    whether torch uses oneDNN, torch's CPU capability and the CPU's bf16 / AVX flags."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        pass
+    return {"onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
+            "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "cpu_flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})}
+
+
+def noise_floor(bf16: Any, window: Any, case: HardCase, references: Sequence[torch.Tensor]) -> float:
+    """Mean next-token KL over the case's questions of `bf16` (the model in bfloat16, re-prefilling
+    the window's whole input) against the float32 references."""
+    floors = []
+    for ref, q in zip(references, case.questions):
+        ids = window.input_ids(q)[None]
+        with torch.no_grad():
+            low = bf16(input_ids=ids).logits[0, -1].float()
+        floors.append(kl_divergence(ref, torch.log_softmax(low, -1), log_probs=True))
+    return statistics.fmean(floors)
+
+
+def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf16: Any = None, log=print,
+                 floor_only: bool = False) -> dict:
     """Blind, svd and guarded KL per budget for one case (and the bf16 noise floor with `bf16`,
-    the same model in bfloat16)."""
+    the same model in bfloat16); blind reuse and the floor alone with `floor_only`."""
     window, b = _served(km, case, patch="none")
     references = [window.reference_logprobs(q) for q in case.questions]
     blind = _kl(window, case, references)
@@ -68,15 +100,11 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
     kv_bytes = layers * tokens * (k[0].numel() + v[0].numel()) * 2
     row: dict[str, Any] = {"case": case.name, "b_tokens": tokens, "blind": blind, "budgets": []}
     if bf16 is not None:
-        floors = []
-        for ref, q in zip(references, case.questions):
-            ids = window.input_ids(q)[None]
-            with torch.no_grad():
-                low = bf16(input_ids=ids).logits[0, -1].float()
-            floors.append(kl_divergence(ref, torch.log_softmax(low, -1), log_probs=True))
-        row["noise_floor"] = statistics.fmean(floors)
+        row["noise_floor"] = noise_floor(bf16, window, case, references)
     log(f"{case.name}: B {tokens} tokens, blind KL {blind:.4f}" +
         (f", bf16 noise floor {row['noise_floor']:.2e}" if bf16 is not None else ""))
+    if floor_only:
+        return row
     for budget in budgets:
         rank = rank_for(budget, tokens, k[0].numel(), v[0].numel(), layers)
         entry: dict[str, Any] = {"budget": budget, "rank": rank}
@@ -120,8 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated hard cases")
     parser.add_argument("--no-floor", action="store_true", help="skip the bf16 noise floor")
+    parser.add_argument("--floor-only", action="store_true",
+                        help="blind reuse and the bf16 noise floor only, no patches")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    if args.floor_only and args.no_floor:
+        parser.error("--floor-only measures the floor: drop --no-floor")
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     torch.set_num_threads(1)
     from agentwin.eval.runs import load_average
     from agentwin.models.adapter import KameraModel
@@ -130,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = load_average()
     km = KameraModel.from_pretrained("smollm2")
     bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
-    rows = [measure_case(km, CASES[name], bf16=bf16) for name in args.cases.split(",")]
-    for row in rows:
+    path = bf16_path()
+    print("bf16 path: " + ", ".join(f"{k} {v}" for k, v in path.items()))
+    rows = [measure_case(km, CASES[name], bf16=bf16, floor_only=args.floor_only) for name in args.cases.split(",")]
+    for row in rows if not args.floor_only else ():
         for name in ("guard", "window-noguard", "window", "window+guard"):
             worse = [e["budget"] for e in row["budgets"] if e[name]["kl"] > row["blind"]]
             quarter = [e["budget"] for e in row["budgets"] if e["budget"] <= 0.06 and e[name]["kl"] > 0.25 * row["blind"]]
@@ -139,8 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"above 25% of blind at <=6% bytes: {quarter or 'none'}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"command": "python -m agentwin.eval.guard_study " + " ".join(argv or sys.argv[1:]),
-                       "threads": 1, "loadavg_start": load_start, "loadavg_end": load_average(), "cases": rows},
+            isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+            json.dump({"command": (f"ONEDNN_MAX_CPU_ISA={isa} " if isa else "") + "python -m agentwin.eval.guard_study "
+                       + " ".join(argv or sys.argv[1:]),
+                       "threads": 1, "loadavg_start": load_start, "loadavg_end": load_average(),
+                       "bf16_path": path, "cases": rows},
                       fh, indent=1)
     return 0
 

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from agentwin.eval.fidelity import hard_case_traces, run_fidelity
     from agentwin.eval.fidelity_page import render_page
     from agentwin.eval.hard_cases import hard_case_names
+    from agentwin.eval.runs import bf16_path
     from agentwin.eval.trace import load_traces, to_jsonable
     from agentwin.eval.traces import record
 
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"quick": args.quick, "greedy": args.greedy, "budgets": budgets, "fits": _names(args.fits),
                      "guards": _names(args.guards), "traces": [t.name for t in traces],
                      "hard_case_questions": args.questions},
-        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()})
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "bf16_path": bf16_path()})
     write_outputs(args, result, DEFAULT_PAGE, render_page)
     for key in ("greedy16_at_6pct", "kl_at_6pct", "noise_floor_greedy16", "noise_floor_kl", "stale_cases",
                 "stale_worse_than_blind"):

@@ -27,6 +27,16 @@ def _rank_cell(entry: dict[str, Any], budget: str) -> str:
     return f"{rank} ({entry['bytes_fraction'][budget]:.2%})" if rank else "0 (none fits)"
 
 
+def _bf16_path(result: dict[str, Any]) -> str:
+    """The CPU path the floor ran on, which moves it (`agentwin.eval.runs.bf16_path`); older results lack it."""
+    path = result.get("bf16_path")
+    if not path:
+        return ""
+    return (f"; it depends on the CPU's bfloat16 path, here oneDNN {'on' if path['mkldnn'] else 'off'} with "
+            f"instruction-set cap {path['onednn_max_cpu_isa']}, torch's CPU capability {path['cpu_capability']}, "
+            f"CPU flags {', '.join(path['cpu_flags']) or 'none of the bf16 / AVX ones'}")
+
+
 def render_page(result: dict[str, Any]) -> str:
     """Markdown of a results dict (the `--json` layout)."""
     s, t = result["settings"], result["target"]
@@ -119,7 +129,7 @@ def render_page(result: dict[str, Any]) -> str:
               f"({s['greedy']} tokens). KL(reference ‖ strategy) in nats against the float32 re-prefill of the same "
               "tokens, greedy-16 agreement (the continuations identical), same action (`agents.actions."
               "parse_action`; the hard cases' replies are not actions). The noise floor is a bfloat16 copy of the "
-              "model re-prefilling the same inputs (agent traces only)."), "",
+              "model re-prefilling the same inputs (agent traces only)" + _bf16_path(result) + "."), "",
               "| fit | what it is |", "| --- | --- |",
               ("| origin | `Window(patch=\"origin\", patch_bytes=b)`, the window's defaults: the patch fitted at append "
                f"within the budget (`fit=\"{result.get('window_fit', 'alloc')}\"`, "

@@ -31,6 +31,7 @@ import torch
 
 from agentwin.eval.hard_cases import CASES, HardCase
 from agentwin.eval.harness import TARGET_KL
+from agentwin.eval.runs import bf16_path
 from kamera_core import budget as kb
 from kamera_core.metrics import kl_divergence
 
@@ -59,21 +60,6 @@ def rank_for(budget: float, tokens: int, k_features: int, v_features: int, layer
     kv_bytes = layers * tokens * (k_features + v_features) * 2
     per_rank = layers * (kb.bytes_per_rank(tokens, k_features, "fp16") + kb.bytes_per_rank(tokens, v_features, "fp16"))
     return max(1, int(budget * kv_bytes // per_rank))
-
-
-def bf16_path() -> dict[str, Any]:
-    """What the bf16 noise floor depends on here: the oneDNN instruction-set cap (environment),
-    whether torch uses oneDNN, torch's CPU capability and the CPU's bf16 / AVX flags."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
-        pass
-    return {"onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
-            "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "cpu_flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})}
 
 
 def noise_floor(bf16: Any, window: Any, case: HardCase, references: Sequence[torch.Tensor]) -> float:

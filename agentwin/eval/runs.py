@@ -108,6 +108,21 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__}
 
 
+def bf16_path() -> dict[str, Any]:
+    """What the bf16 noise floor depends on here: the oneDNN instruction-set cap (environment),
+    whether torch uses oneDNN, torch's CPU capability and the CPU's bf16 / AVX flags."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        pass
+    return {"onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
+            "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "cpu_flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})}
+
+
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]

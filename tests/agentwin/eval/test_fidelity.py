@@ -235,6 +235,11 @@ def test_results_fields_and_page_on_a_tiny_model(km):
     assert set(result["traces"]["hard-code"]["grid"]) == {"origin", "origin-residual-int8", "origin-alloc", "origin-output"}
     assert result["window_fit"] == "residual" and '`fit="residual"`' in page
     assert result["window_storage"] == "auto" and '`storage="auto"`' in page
+    assert "bfloat16 path" not in page  # results written before the path was recorded
+    from agentwin.eval.runs import bf16_path
+
+    result["bf16_path"] = {**bf16_path(), "onednn_max_cpu_isa": "AVX2"}
+    assert "here oneDNN on with instruction-set cap AVX2" in render_page(result) or not result["bf16_path"]["mkldnn"]
     result["traces"]["doc"]["chunk_tokens"] = []  # a short trace where no chunk takes a patch
     assert "| doc | no chunk takes a patch |" in render_page(result)
 

@@ -10,6 +10,7 @@ import torch
 
 from agentwin.eval import guard_study as gs
 from agentwin.eval.hard_cases import hard_case
+from agentwin.eval.runs import bf16_path
 from agentwin.models.adapter import KameraModel
 
 
@@ -31,7 +32,7 @@ def test_floor_only_measures_blind_reuse_and_the_floor_against_the_models_own_fo
 
 def test_bf16_path_records_what_decides_the_floor(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    path = gs.bf16_path()
+    path = bf16_path()
     assert path["onednn_max_cpu_isa"] == "AVX2" and path["torch"] == torch.__version__
     assert path["mkldnn"] == (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
     assert set(path["cpu_flags"]) <= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"}

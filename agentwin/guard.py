@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from kamera_core import patch as kp
-from kamera_core.fit_batch import fit_with_gains_batch, precision_for
 from kamera_core.metrics import kl_divergence
 from kamera_core.rope import RopeSpec
 from kamera_core.segment import Segment, merge_states, patch_option_states, segment_state
@@ -216,37 +215,34 @@ def guard_chunk(km: Any, stats: Any, kind: str, ids: torch.Tensor, canonical: Se
 
 
 def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              deltas: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int, storage: str, max_kl: float,
-              start: int, segments: Sequence[Sequence[Segment]], probe: QueryProbe, first: int) -> kp.ChunkPatch:
+              rungs: Iterable[kp.ChunkPatch], max_kl: float, start: int, segments: Sequence[Sequence[Segment]],
+              probe: QueryProbe, first: int) -> kp.ChunkPatch:
     """The patch of a text chunk for a fidelity target instead of a rank (`Window(max_kl=...)`).
 
     Measured on the probe rows end to end (`tail_kl`: their next-token KL against the chunk's own
-    pass): blind reuse first; then the truncated fit at `rank`, twice that, and so on up to the
-    deficit's full rank, stopping at the first whose KL is at most `max_kl`. The lowest-KL option
-    measured is kept, blind reuse (no bytes) included, so the patch never reads worse than blind on
-    those rows and spends bytes only where blind reuse misses the target. Each measurement is one
-    forward of the probe rows, counted as "guard" in `stats`; `stats.kl_ranks` records the rank kept
-    (0: blind)."""
+    pass): blind reuse first; then each patch of `rungs` in turn (`agentwin.window_fit`: the
+    window's allocator fit within its byte budget, twice that, and so on; or, for the one-rank
+    fits, the plain fit at the window's rank, twice that, and so on), stopping at the first whose
+    KL is at most `max_kl`. `rungs` is read lazily, so a chunk blind reuse already serves costs no
+    fit. The lowest-KL option measured is kept, blind reuse (no bytes) included, so the patch
+    never reads worse than blind on those rows and spends bytes only where blind reuse misses the
+    target. Each measurement is one forward of the probe rows, counted as "guard" in `stats`, as
+    is the ladder's time; `stats.kl_ranks` records the largest block rank kept (0: blind) and
+    `stats.kl_bytes` the patch's bytes."""
     t0 = time.perf_counter()
-    cap = max(min(d.shape[0], d[0].numel()) for pair in deltas for d in pair)
-    empty = kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in deltas), "svd")
+    best = kp.ChunkPatch(tuple(kp.LayerPatch(None, None) for _ in canonical), "none")
     stats.count("guard", int(probe.rows.numel()))
     best_kl = tail_kl(km, ids, canonical, (None,), segments, probe, first, start)
     best_kl = None if best_kl is None else best_kl[0]
-    best, best_rank, r = empty, 0, min(rank, cap)
-    full = None  # every block decomposed once, on the first rung that needs it; each rung truncates
-    while best_kl is not None and best_kl > max_kl:
-        if full is None:
-            fits = fit_with_gains_batch([d for pair in deltas for d in pair], None, precision_for(storage))
-            full = [(fk, fv) for (fk, _, _), (fv, _, _) in zip(fits[0::2], fits[1::2])]
-        patch = kp.truncated_patch(full, [(r, r)] * len(deltas), "svd", storage)
-        stats.count("guard", int(probe.rows.numel()))
-        kl = tail_kl(km, ids, canonical, (patch,), segments, probe, first, start)[0]
-        if kl < best_kl:
-            best, best_kl, best_rank = patch, kl, r
-        if r >= cap:
-            break
-        r = min(2 * r, cap)
-    stats.kl_ranks.append(best_rank)
+    if best_kl is not None and best_kl > max_kl:
+        for patch in rungs:
+            stats.count("guard", int(probe.rows.numel()))
+            kl = tail_kl(km, ids, canonical, (patch,), segments, probe, first, start)[0]
+            if kl < best_kl:
+                best, best_kl = patch, kl
+            if kl <= max_kl:
+                break
+    stats.kl_ranks.append(max((f.rank for lp in best.layers for f in (lp.k, lp.v) if f is not None), default=0))
+    stats.kl_bytes.append(best.nbytes)
     stats.seconds["guard"] += time.perf_counter() - t0
     return best

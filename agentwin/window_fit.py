@@ -32,12 +32,16 @@ settings (`PatchSettings`):
   the rank for the budget), "mixed" (the allocator also decides, component by component, whether
   int8 or 4-bit codes packed two to a byte buy more of the fit per byte, from the error each
   precision adds to that component in its fit's metric: `kamera_core.budget.budget_mixed`; with
-  `rank="budget"` and the allocator fits alloc / output* / residual only; `max_kl`'s one-rank
-  ladder stays int8), "auto" (mixed where the allocator sets the ranks, int8 where one rank is
+  `rank="budget"` and the allocator fits alloc / output* / residual only), "auto" (mixed where the allocator sets the ranks, int8 where one rank is
   set for every layer), "fp16", "bf16" or "fp32";
 - then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
   below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
-  (`agentwin.guard.fit_to_kl`).
+  (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, twice
+  that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
+  reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
+  plain fit at that rank, doubled per rung, `rank_ladder`). On SmolLM2's four hard cases, with
+  each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-24%
+  of B's fp16 KV bytes, the one-rank ladder at 73-83% (`agentwin.eval.guard_study`).
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
 (`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
@@ -196,22 +201,25 @@ def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
 
 
 def one_rank_storage(storage: str) -> str:
-    """The factors' form when one rank is set for every layer (max_kl's ladder): "mixed" is the
-    allocator's per-component choice, so such patches take int8 under it."""
+    """The factors' form when one rank is set for every layer: "mixed" is the allocator's
+    per-component choice, so such patches take int8 under it."""
     return "int8" if storage == kb.MIXED else storage
 
 
-def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = None,
-                exponent: float = 1.0, value_metrics: list | None = None, norms: list | None = None) -> kp.ChunkPatch:
-    """fit="alloc": one decomposition per layer's K and V deficit (`kamera_core.patch.fit_with_gains`),
-    the bytes spread by the allocator on the singular values (`kamera_core.budget.budget_ranks`),
-    each block's gains normalised by its energy, its factors truncated to its rank and stored as
-    `window.storage`. With `metrics` (per layer the K output metric, fit="output"): K fitted in
-    it, so a layer's K and V gains share one unit (its attention output's error), and both are
-    normalised by the spread of the layer's canonical values to the power `exponent`
+def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = None, exponent: float = 1.0,
+                  value_metrics: list | None = None, norms: list | None = None) -> Callable[[int], kp.ChunkPatch]:
+    """One decomposition per layer's K and V deficit (`kamera_core.fit_batch.fit_with_gains_batch`);
+    returns `at(budget_bytes)`, the patch the allocator builds from it within those bytes: the
+    ranks spread by `kamera_core.budget.budget_ranks` on the singular values, each block's gains
+    normalised by its energy, its factors truncated to its rank and stored as `window.storage`
+    (under "mixed", `kamera_core.mixed.mixed_patch` also splits them into int8 and 4-bit ones).
+    With `metrics` (per layer the K output metric, fit="output"): K fitted in it, so a layer's K
+    and V gains share one unit (its attention output's error), and both are normalised by the
+    spread of the layer's canonical values to the power `exponent`
     (`kamera_core.patch.layer_normaliser`: 1 a relative error per layer, 0 an absolute one).
     With `value_metrics` and `norms` as well (fit="residual"): V fitted in its metric, and both
-    blocks normalised by the layer's `norms` entry instead."""
+    blocks normalised by the layer's `norms` entry instead. `max_kl`'s byte ladder calls `at`
+    once per rung on the one decomposition."""
     tokens, features = _shape(deltas)
     ks = [None] * len(deltas) if metrics is None else metrics
     vs = [None] * len(deltas) if value_metrics is None else value_metrics
@@ -226,10 +234,14 @@ def alloc_patch(window: Any, deltas: list, held: Any, metrics: list | None = Non
         gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
     name = "alloc" if metrics is None else window.fit
     factors = [(fk, fv) for (fk, _, _), (fv, _, _) in full]
-    if window.storage == kb.MIXED:
-        return mixed.mixed_patch(factors, gains, list(zip(ks, vs)), _bytes(window, tokens, features, held), name)
-    ranks = kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), window.storage, gains)
-    return kp.truncated_patch(factors, ranks, name, window.storage)
+
+    def at(budget: int) -> kp.ChunkPatch:
+        if window.storage == kb.MIXED:
+            return mixed.mixed_patch(factors, gains, list(zip(ks, vs)), budget, name)
+        ranks = kb.budget_ranks(tokens, features, budget, window.storage, gains)
+        return kp.truncated_patch(factors, ranks, name, window.storage)
+
+    return at
 
 
 def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: list | None = None) -> list:
@@ -240,16 +252,66 @@ def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: li
     return [kp.output_metric(mk, hv, mv) for (mk, _), (_, hv), mv in zip(query_metrics(km, probe, start), held, vs)]
 
 
-def residual_patch(window: Any, deltas: list, held: Any, probe: Any, start: int) -> kp.ChunkPatch:
-    """fit="residual": the allocator on each layer's K and V error where it lands in the residual
-    stream (V in its output projection's metric, `kamera_core.patch.projection_metric`; K in the
-    query metric scaled by the values' spread in it), relative to Σ ||h||² over the chunk's rows
-    entering the layer in the pass (`agentwin.models.residual`)."""
+def residual_fit(window: Any, deltas: list, held: Any, probe: Any, start: int) -> Callable[[int], kp.ChunkPatch]:
+    """fit="residual" (`allocator_fit`'s `at`): the allocator on each layer's K and V error where
+    it lands in the residual stream (V in its output projection's metric,
+    `kamera_core.patch.projection_metric`; K in the query metric scaled by the values' spread in
+    it), relative to Σ ||h||² over the chunk's rows entering the layer in the pass
+    (`agentwin.models.residual`)."""
     km = window.km
     vms = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
     norms = residual.residual_norms(probe.residual, len(deltas))
-    return alloc_patch(window, deltas, held, output_metrics(km, probe, start, held, vms), value_metrics=vms,
-                       norms=norms)
+    return allocator_fit(window, deltas, held, output_metrics(km, probe, start, held, vms), value_metrics=vms,
+                         norms=norms)
+
+
+def allocated(window: Any, deltas: list, held: Any, probed: tuple | None, start: int,
+              text: bool) -> Callable[[int], kp.ChunkPatch]:
+    """`at(budget_bytes)` of the window's allocator fit (`fit` one of ALLOCATING): the residual or
+    output metrics where the pass recorded the chunk's queries (text chunks), else plain "alloc"."""
+    if window.fit == RESIDUAL and probed is not None and text:
+        return residual_fit(window, deltas, held, probed[1], start)
+    if window.fit in kp.OUTPUT_FITS and probed is not None and text:
+        return allocator_fit(window, deltas, held, output_metrics(window.km, probed[1], start, held),
+                             kp.OUTPUT_FITS[window.fit])
+    return allocator_fit(window, deltas, held)
+
+
+def byte_ladder(fit: Callable[[], Callable[[int], kp.ChunkPatch]], first: int, full: int) -> Iterator[kp.ChunkPatch]:
+    """`max_kl`'s rungs for an allocator fit: its patch within `first` bytes, then twice as many,
+    and so on up to `full` (the chunk's canonical KV bytes), ending early once a rung buys nothing
+    more than the one before (every component of every block already kept). `fit()` gives the
+    fit's `at` (`allocated`): its decomposition runs once, on the first rung asked for."""
+    at, budget, last = fit(), max(1, first), -1
+    while True:
+        patch = at(min(budget, full))
+        if patch.nbytes == last:
+            return
+        yield patch
+        if budget >= full:
+            return
+        last, budget = patch.nbytes, 2 * budget
+
+
+def rank_ladder(deltas: list, rank: int, storage: str) -> Iterator[kp.ChunkPatch]:
+    """`max_kl`'s rungs for the one-rank fits: the plain fit at `rank` in every layer's K and V,
+    twice that, and so on up to the deficit's full rank. Each block is decomposed once, on the
+    first rung asked for, and truncated per rung."""
+    cap = max(min(d.shape[0], d[0].numel()) for pair in deltas for d in pair)
+    fits = fit_with_gains_batch([d for pair in deltas for d in pair], None, precision_for(storage))
+    full = [(fk, fv) for (fk, _, _), (fv, _, _) in zip(fits[0::2], fits[1::2])]
+    r = min(rank, cap)
+    while True:
+        yield kp.truncated_patch(full, [(r, r)] * len(deltas), "svd", storage)
+        if r >= cap:
+            return
+        r = min(2 * r, cap)
+
+
+def alloc_patch(window: Any, deltas: list, held: Any, probed: tuple | None, start: int, text: bool) -> kp.ChunkPatch:
+    """The window's allocator fit (`allocated`) within its bytes."""
+    tokens, features = _shape(deltas)
+    return allocated(window, deltas, held, probed, start, text)(_bytes(window, tokens, features, held))
 
 
 def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
@@ -265,17 +327,16 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
     if window.rank is None:
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
-        first = max(1, layer_ranks(window, deltas, held)[0][0])
-        patch = fit_to_kl(km, stats, chunk.ids, held, deltas, first, one_rank_storage(window.storage), window.max_kl,
-                          start, *probed)
+        if window.rank == BUDGET and window.fit in ALLOCATING:  # the window's own fit, its bytes doubled per rung
+            rungs = byte_ladder(lambda: allocated(window, deltas, held, probed, start, text),
+                                budget_bytes(window.patch_bytes, held), budget_bytes(1.0, held))
+        else:
+            first = max(1, layer_ranks(window, deltas, held)[0][0])
+            rungs = rank_ladder(deltas, first, one_rank_storage(window.storage))
+        patch = fit_to_kl(km, stats, chunk.ids, held, rungs, window.max_kl, start, *probed)
     else:
-        if window.fit == RESIDUAL and probed is not None and text:
-            patch = residual_patch(window, deltas, held, probed[1], start)
-        elif window.fit in kp.OUTPUT_FITS and probed is not None and text:
-            patch = alloc_patch(window, deltas, held, output_metrics(km, probed[1], start, held),
-                                kp.OUTPUT_FITS[window.fit])
-        elif window.fit == "alloc" or window.fit in OUTPUT_LIKE:
-            patch = alloc_patch(window, deltas, held)
+        if window.fit in ALLOCATING:
+            patch = alloc_patch(window, deltas, held, probed, start, text)
         else:
             metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None
             patch = kp.build_patch(deltas, layer_ranks(window, deltas, held), window.fit, metrics=metrics,
@@ -285,3 +346,4 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
     stats.patch_bytes += patch.nbytes
     stats.seconds["fit_patch"] += time.perf_counter() - t0
     return patch
+

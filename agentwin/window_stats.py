@@ -60,7 +60,8 @@ class WindowStats:
     guard_dropped_bytes: int = 0
     guard_fallbacks: int = 0  # patches dropped whole: blind reuse read the chunk's last rows as well
     stale_patches: int = 0  # placements served with a patch fitted after another antecedent
-    kl_ranks: list[int] = field(default_factory=list)  # with max_kl: the rank kept per fitted patch (0: blind)
+    kl_ranks: list[int] = field(default_factory=list)  # with max_kl: per fitted patch the largest block rank kept (0: blind)
+    kl_bytes: list[int] = field(default_factory=list)  # with max_kl: per fitted patch the bytes kept (0: blind)
     held_bytes: int = 0
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     forward_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     print_report(summary)
     for name in ("window", "window+guard", "window+max_kl"):
         w = figures[name]
-        target = f", max_kl {w['max_kl']:g}: rank kept {w['kl_ranks']}" if w.get("max_kl") else ""
+        target = f", max_kl {w['max_kl']:g}: largest block rank kept {w['kl_ranks']}" if w.get("max_kl") else ""
         print(f"{name:<14} bytes {w['bytes_frac']:.2%} of B's KV, KL {w['kl']:.4f} (blind {figures['blind_kl']:.4f}; "
               f"rank {w['rank']}{target}, {w['storage']}, guard {'on' if w['guard'] else 'off'}"
               + (f": kept {w['guard_checked'] - w['guard_dropped']}/{w['guard_checked']} layer k/v patches"

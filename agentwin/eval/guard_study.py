@@ -4,7 +4,9 @@ keys fitted in the metric of the chunk's own queries (`fit="query"`), all these 
 factors at one rank; the window's default fit within the same bytes (`Window(patch_bytes=...)`:
 ranks spread over layers and K/V, the window's default storage, and int8 factors) without the guard, at the window's default
 (`guard="auto"`: on below 6%) and always guarded; then the window with the
-case's noise floor as its fidelity target (`Window(max_kl=...)`).
+case's noise floor as its fidelity target (`Window(max_kl=...)`): at its defaults (the default
+fit's bytes doubled per rung from the default budget) and with one rank everywhere (plain SVD, fp16
+factors, from the smallest budget's rank).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE] [--floor-only]
 
@@ -118,15 +120,21 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
             f"default {w['kl']:.4f} (guard {'on' if w['checked'] else 'off'}), guarded {wg['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
-    # the ladder starting at the smallest budget's rank.
+    # with the window's defaults (its fit's bytes doubled per rung from its default budget) and
+    # with one rank everywhere (plain SVD, fp16 factors, doubled per rung from the smallest budget's rank).
     target = row.get("noise_floor", TARGET_KL)
-    window, b = _served(km, case, rank=rank_for(budgets[0], tokens, k[0].numel(), v[0].numel(), layers), max_kl=target,
-                        **FP16)
-    kl = _kl(window, case, references)
-    patch = next(iter(window._chunks[b].patches.values()))
-    row["max_kl"] = {"target": target, "kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
-                     "ranks_kept": list(window.stats().kl_ranks)}
-    log(f"  max_kl {target:.2e}: KL {kl:.4f} ({patch.nbytes / kv_bytes:.2%}, rank kept {row['max_kl']['ranks_kept']})")
+    for key, settings in (("max_kl", {}),
+                          ("max_kl_rank", {"rank": rank_for(budgets[0], tokens, k[0].numel(), v[0].numel(), layers),
+                                           **FP16})):
+        window, b = _served(km, case, max_kl=target, **settings)
+        kl = _kl(window, case, references)
+        patch = next(iter(window._chunks[b].patches.values()))
+        stats = window.stats()
+        row[key] = {"target": target, "kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
+                    "ranks_kept": list(stats.kl_ranks), "probe_forwards": stats.forwards["guard"],
+                    "seconds": stats.seconds["guard"]}
+        log(f"  {key} {target:.2e}: KL {kl:.4f} ({patch.nbytes / kv_bytes:.2%}, largest rank kept "
+            f"{row[key]['ranks_kept']}, {row[key]['probe_forwards']} probe forwards, {row[key]['seconds']:.2f} s)")
     return row
 
 

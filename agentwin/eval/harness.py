@@ -300,7 +300,7 @@ def window_fit(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_t
             "bytes_frac": (0 if patch is None else patch.nbytes) / kv_bytes, "kl": sum(kls) / len(kls),
             "ranks": None if patch is None else patch.ranks(), "guard_fallbacks": stats.guard_fallbacks,
             "guard_dropped": stats.guard_dropped, "guard_checked": stats.guard_checked,
-            "max_kl": window.max_kl, "kl_ranks": list(stats.kl_ranks)}
+            "max_kl": window.max_kl, "kl_ranks": list(stats.kl_ranks), "kl_bytes": list(stats.kl_bytes)}
 
 
 def measure_orbit(model: Any, tokenizer: Any, seed: int, storage: str, budget: float = 0.12, log=print) -> dict:

@@ -45,3 +45,18 @@ def test_unknown_cases_and_contradictory_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         gs.main(["--floor-only", "--no-floor"])
     assert "drop --no-floor" in capsys.readouterr().err
+
+
+def test_a_case_records_both_fidelity_ladders(km):
+    """One budget on a tiny model: each fit's row, and `Window(max_kl=...)` at the window's
+    defaults (its own fit by bytes) and with one rank everywhere, each with what it kept and the
+    probe forwards it ran."""
+    from agentwin.eval.harness import TARGET_KL
+
+    row = gs.measure_case(km, hard_case("code"), budgets=(0.06,), log=lambda *a: None)
+    (entry,) = row["budgets"]
+    assert entry["budget"] == 0.06 and entry["window"]["bytes_frac"] <= 0.06 + 1e-9
+    for key in ("max_kl", "max_kl_rank"):
+        got = row[key]
+        assert got["target"] == TARGET_KL and len(got["ranks_kept"]) == 1 and got["probe_forwards"] >= 1
+        assert (got["ranks_kept"] == [0]) == (got["bytes_frac"] == 0)

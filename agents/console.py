@@ -106,7 +106,19 @@ def make_window(km: Any, args: Any) -> Any:
 
     store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
     return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
-                  patch_bytes=getattr(args, "patch_bytes", None))
+                  patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
+
+
+def window_option_error(args: Any) -> str | None:
+    """What is wrong with the window options together (`--rank`, `--patch-bytes`, `--max-kl`), to be
+    refused before a model is loaded; None when they agree."""
+    rank = "exact" if args.rank is None else args.rank
+    if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
+        return f"--patch-bytes sets the patch ranks itself; use it with --rank budget, not --rank {rank}"
+    if getattr(args, "max_kl", None) is not None and args.rank is None:
+        return ("--max-kl is a fidelity target for low-rank patches; exact patches (--rank exact) meet any: "
+                "drop --max-kl, or use --rank budget or a rank with it")
+    return None
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -129,9 +141,9 @@ def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: b
 
     if args.model is None:
         return refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
-    if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
-        rank = "exact" if args.rank is None else args.rank
-        return refuse(f"--patch-bytes sets the patch ranks itself; use it with --rank budget, not --rank {rank}")
+    problem = window_option_error(args)
+    if problem:
+        return refuse(problem)
     vlm, random_weights = model_kind(args.model)
     if random_weights and not args.allow_random_weights:
         return refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "
@@ -201,6 +213,17 @@ def fraction_arg(text: str) -> float:
         raise ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
     if not 0 < value <= 1:
         raise ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def kl_arg(text: str) -> float:
+    """`--max-kl`: a positive, finite number of nats."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a positive KL in nats (such as 0.0024), got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ArgumentTypeError(f"expected a positive KL in nats (such as 0.0024), got {text!r}")
     return value
 
 

@@ -20,7 +20,7 @@ import textwrap
 from types import SimpleNamespace
 from typing import Any
 
-from agents.console import (VLM_HINT, fraction_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
+from agents.console import (VLM_HINT, fraction_arg, kl_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
                             rank_arg, refuse, run_agent, steps_table, write_json)
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
@@ -45,6 +45,11 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
                             f"a rank (checked by the patch guard), or 'exact' (default {rank})")
     group.add_argument("--patch-bytes", type=fraction_arg, default=None,
                        help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
+    group.add_argument("--max-kl", type=kl_arg, default=None, metavar="NATS",
+                       help="a fidelity target instead of a fixed size: each text chunk's patch is tried at "
+                            "--patch-bytes, then twice that and so on (with --rank N: rank N, 2N, ...) until "
+                            "the chunk's last rows read within NATS of KL of its own pass; e.g. 0.0024, "
+                            "a bfloat16 re-prefill's KL on SmolLM2 (default: none)")
     group.add_argument("--patch", choices=("origin-akin", "origin-similar", "origin", "fresh", "none"), default="origin-akin",
                        help="patch policy: origin-akin (fitted at append; after a new antecedent less like the old one "
                             "than the chunk itself is, none), origin-similar (the same with a fixed cosine only), "

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from agentwin.eval.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
+from agents.console import window_option_error
 from tools import relocation_demo
 from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
 
@@ -92,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads < 1:
         print("error: --threads must be positive", file=sys.stderr)
+        return 2
+    problem = window_option_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

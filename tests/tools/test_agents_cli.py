@@ -151,3 +151,23 @@ def test_patch_options_are_checked_before_a_model_is_loaded(tmp_path, capsys, no
         cli.main(["doc", str(pdf), "--question", "q", "--patch-bytes", "2", "--quiet"])
     assert "expected a fraction in (0, 1]" in capsys.readouterr().err
     assert agents_cli.rank_arg("budget") == "budget" and agents_cli.rank_arg("exact") is None
+
+
+def test_a_fidelity_target_is_checked_and_reaches_the_window(tmp_path, capsys, no_model_load):
+    from types import SimpleNamespace
+
+    from agentwin.models.adapter import KameraModel
+
+    pdf = write_text_pdf(tmp_path / "a.pdf", ["x"])
+    assert cli.main(["doc", str(pdf), "--question", "q", "--rank", "exact", "--max-kl", "0.002", "--quiet"]) == 2
+    assert "--max-kl is a fidelity target for low-rank patches" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "nats"):
+        with pytest.raises(SystemExit):
+            cli.main(["doc", str(pdf), "--question", "q", "--max-kl", bad, "--quiet"])
+        assert "expected a positive KL in nats" in capsys.readouterr().err
+    km = KameraModel.from_pretrained("tiny-llama-gqa")
+    args = SimpleNamespace(store=None, budget_tokens=512, patch="origin-akin", rank="budget", patch_bytes=None,
+                           max_kl=0.002)
+    window = agents_cli.make_window(km, args)
+    assert window.max_kl == 0.002 and window.rank == "budget"
+    assert agents_cli.make_window(km, SimpleNamespace(**{**vars(args), "max_kl": None})).max_kl is None

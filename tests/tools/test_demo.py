@@ -73,3 +73,14 @@ def test_demo_refuses_bad_arguments(capsys):
     assert "--rank must be 'budget', a positive integer or 'exact'" in capsys.readouterr().err
     assert cli.main(["demo", "--new-tokens", "0"]) == 2
     assert "--new-tokens must be positive" in capsys.readouterr().err
+
+
+def test_demo_refuses_window_options_that_contradict_each_other_before_loading(capsys, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(demo, "load_model", load)
+    assert cli.main(["demo", "--max-kl", "0.002"]) == 2  # the demo's patches are exact by default
+    assert "--max-kl is a fidelity target for low-rank patches" in capsys.readouterr().err
+    assert cli.main(["demo", "--patch-bytes", "0.1"]) == 2
+    assert "use it with --rank budget, not --rank exact" in capsys.readouterr().err

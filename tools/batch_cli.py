@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from tools.agents_cli import positive_arg, rank_arg
+from tools.agents_cli import fraction_arg, kl_arg, positive_arg, rank_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rank", type=rank_arg, default="budget",
                        help="antecedent patches: 'budget' (each within 6%% of the chunk's KV bytes, the window's "
                             "default), a rank (checked by the patch guard), or 'exact' (default budget)")
+    group.add_argument("--patch-bytes", type=fraction_arg, default=None,
+                       help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
+    group.add_argument("--max-kl", type=kl_arg, default=None, metavar="NATS",
+                       help="a fidelity target: each text chunk's patch grows from its budget (or rank), doubling, "
+                            "until the chunk's last rows read within NATS of KL of its own pass (default: none)")
     group.add_argument("--patch", choices=("origin-akin", "origin-similar", "origin", "fresh", "none"), default="origin-akin",
                        help="patch policy (default origin-akin, as the window's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

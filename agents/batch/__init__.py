@@ -12,7 +12,8 @@ raises `TaskFileError`. Relative sources are resolved against the task file's fo
 
 Per-task fields: id (default "line N"), kind (doc | web | video), source (a path, or a URL for
 web), question or task, and optionally max_steps, budget_tokens, max_new_tokens, rank ("budget",
-N or "exact"), patch (origin-akin | origin-similar | origin | fresh | none), max_chars (doc), allow_hosts
+N or "exact"), patch (origin-akin | origin-similar | origin | fresh | none), patch_bytes (with
+rank "budget"), max_kl (a fidelity target, `agentwin.Window`), max_chars (doc), allow_hosts
 (web), segment_seconds and fps (video), and script: a list of actions (dicts or JSON strings)
 replayed by `agents.model.ScriptedDecider` instead of the model's own decisions; the model still
 encodes every observation, so encodes, forwards and store hits are real.

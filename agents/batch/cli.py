@@ -7,6 +7,7 @@ one store: `run(args)` takes the parsed options and does the rest.
 
 One task per line: {"id": ..., "kind": "doc"|"web"|"video", "source": path-or-url, "question" (or
 "task"): ..., optional "max_steps", "budget_tokens", "max_new_tokens", "rank", "patch",
+"patch_bytes", "max_kl",
 "max_chars" (doc), "allow_hosts" (web), "segment_seconds", "fps" (video), and
 "script": [actions...] to replay fixed decisions instead of the model's}. Relative sources are
 resolved against the task file's folder.
@@ -55,7 +56,8 @@ def worker_config(args: argparse.Namespace) -> Any:
 
     return WorkerConfig(model=args.model, store=args.store, threads=default_threads(args),
                         budget_tokens=args.budget_tokens, max_steps=args.max_steps,
-                        max_new_tokens=args.max_new_tokens, rank=args.rank, patch=args.patch)
+                        max_new_tokens=args.max_new_tokens, rank=args.rank, patch=args.patch,
+                        patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
 
 
 def finished_results(path: Path) -> list[dict[str, Any]]:
@@ -96,6 +98,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (f"--store must be a directory or a redis:// / rediss:// URL, got {args.store.split('://')[0]}://...")
     if args.retries < 0:
         return f"--retries must be 0 or more, got {args.retries}"
+    from agents.console import window_option_error
+
+    problem = window_option_error(args)
+    if problem:
+        return problem
     if args.ray is not None:
         try:
             import ray  # noqa: F401

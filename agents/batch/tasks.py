@@ -15,7 +15,7 @@ KINDS = ("doc", "web", "video")
 # Per kind: (window budget in tokens, step limit), as `agentwin doc | web | video` use by default.
 KIND_DEFAULTS = {"doc": (1024, 12), "web": (2048, 12), "video": (4096, 16)}
 COMMON_FIELDS = ("id", "kind", "source", "question", "task", "script", "max_steps", "budget_tokens",
-                 "max_new_tokens", "rank", "patch")
+                 "max_new_tokens", "rank", "patch", "patch_bytes", "max_kl")
 KIND_FIELDS = {"doc": ("max_chars",), "web": ("allow_hosts",), "video": ("segment_seconds", "fps")}
 PATCHES = ("origin-akin", "origin-similar", "origin", "fresh", "none")
 
@@ -60,6 +60,18 @@ def _positive_number(value: Any, what: str) -> float:
     return float(value)
 
 
+def _fraction(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise TaskError(f'"{what}" must be a fraction of the chunk\'s KV bytes in (0, 1], got {value!r}')
+    return float(value)
+
+
+def _positive_finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise TaskError(f'"{what}" must be a positive KL in nats (such as 0.0024), got {value!r}')
+    return float(value)
+
+
 def _check_rank(value: Any) -> int | str | None:
     if isinstance(value, str) and value.lower() in ("exact", "none", "full"):
         return None
@@ -96,6 +108,8 @@ _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "segment_seconds": lambda v: _positive_number(v, "segment_seconds"),
     "fps": lambda v: _positive_number(v, "fps"),
     "rank": _check_rank,
+    "patch_bytes": lambda v: _fraction(v, "patch_bytes"),
+    "max_kl": lambda v: _positive_finite(v, "max_kl"),
     "allow_hosts": _check_hosts,
 }
 
@@ -143,6 +157,13 @@ def parse_task(obj: Any, line: int = 0, base: str | os.PathLike | None = None) -
         raise TaskError(f'"id" must be a non-empty string or an integer, got {raw_id!r}')
     source = _resolve_source(kind, obj.get("source"), None if base is None else Path(base))
     options = {k: _check_option(k, v) for k, v in obj.items() if k in _OPTION_CHECKS or k == "patch"}
+    rank = options.get("rank", "budget")
+    if "patch_bytes" in options and rank != "budget":
+        raise TaskError(f'"patch_bytes" sets the patch ranks itself: give it with "rank": "budget" (or no "rank"), '
+                        f'not {obj["rank"]!r}')
+    if "max_kl" in options and "rank" in options and rank is None:
+        raise TaskError('"max_kl" is a fidelity target for low-rank patches; exact ones ("rank": "exact") meet any: '
+                        'drop one of the two')
     script = _check_script(obj["script"]) if "script" in obj else None
     return Task(id=str(raw_id), kind=kind, source=source, question=question.strip(), line=line,
                 script=script, options=options)

@@ -22,8 +22,9 @@ class WorkerConfig:
     store: None (RAM only), a directory, or a redis:// URL, opened once per worker. private:
     each worker gets a store of its own instead (a subfolder `worker-N` of a directory, or tenant
     `worker-N` on Redis; RAM stores are private anyway). threads: torch threads per worker (None:
-    leave torch's default). budget_tokens / max_steps / max_new_tokens / rank / patch: defaults
-    for tasks that do not set them (None budget / max_steps: the kind's default)."""
+    leave torch's default). budget_tokens / max_steps / max_new_tokens / rank / patch /
+    patch_bytes / max_kl: defaults for tasks that do not set them (None budget / max_steps: the
+    kind's default; None patch_bytes / max_kl: the window's)."""
 
     model: str = "smollm2"
     store: str | None = None
@@ -35,6 +36,8 @@ class WorkerConfig:
     max_new_tokens: int = 48
     rank: int | str | None = "budget"  # the window's default: within 6% of each chunk's KV bytes
     patch: str = "origin-akin"
+    patch_bytes: float | None = None
+    max_kl: float | None = None
 
 
 def open_task_store(location: str | None, model_fingerprint: str, tenant: str = "") -> Any:
@@ -148,8 +151,11 @@ class Worker:
             raise BatchError(f"{cfg.model} is a text-only model; video tasks need a vision-language model "
                              "(--model with a local path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or "
                              "Qwen3-VL checkpoint)")
+        rank = opt.get("rank", cfg.rank)  # the batch's patch_bytes / max_kl hold where the task's rank allows them
         window = Window(self.km, budget_tokens=opt.get("budget_tokens", cfg.budget_tokens or budget),
-                        patch=opt.get("patch", cfg.patch), rank=opt.get("rank", cfg.rank), store=self.store)
+                        patch=opt.get("patch", cfg.patch), rank=rank, store=self.store,
+                        patch_bytes=opt.get("patch_bytes", cfg.patch_bytes if rank == "budget" else None),
+                        max_kl=opt.get("max_kl", cfg.max_kl if rank is not None else None))
         decider = (ScriptedDecider(list(task.script)) if task.script is not None
                    else WindowDecider(opt.get("max_new_tokens", cfg.max_new_tokens)))
         env = make_env(task, self.km)

@@ -202,12 +202,39 @@ def test_a_task_file_that_cannot_be_used_at_all(tmp_path, content, message):
     ({"kind": "doc", "source": "a.pdf", "question": "x", "script": []}, '"script" must be a non-empty list'),
     ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive number'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "fps": 2}, "unknown field(s) 'fps' for a doc task"),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 2}, '"patch_bytes" must be a fraction'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 0.1, "rank": 8},
+     '"patch_bytes" sets the patch ranks itself'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0}, '"max_kl" must be a positive KL'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0.01, "rank": "exact"},
+     '"max_kl" is a fidelity target for low-rank patches'),
 ])
 def test_parse_task_says_what_to_fix(obj, message):
     from agents.batch import TaskError
 
     with pytest.raises(TaskError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_task(obj, 1)
+
+
+def test_patch_bytes_and_max_kl_reach_each_tasks_window(workload):
+    """A fidelity target, per task or for the batch, makes the window probe each new page's patch
+    (forwards counted as "guard"); the window's default budget does not (its guard is off)."""
+    tasks, _ = workload
+    base = tasks[0]
+    plain = Task(id="plain", kind=base.kind, source=base.source, question=base.question, script=base.script,
+                 options=dict(base.options))
+    own = Task(id="own", kind=base.kind, source=base.source, question=base.question, script=base.script,
+               options={**base.options, "max_kl": 1e-9, "patch_bytes": 0.03})
+    assert own.options["patch_bytes"] == 0.03
+    records = _by_id(run_batch([plain, own], WorkerConfig(model=MODEL, threads=1)).records)
+    assert records["plain"]["ok"] and records["own"]["ok"]
+    assert records["plain"]["forwards"].get("guard", 0) == 0 < records["own"]["forwards"]["guard"]
+    batch = _by_id(run_batch([plain], WorkerConfig(model=MODEL, threads=1, max_kl=1e-9)).records)
+    assert batch["plain"]["forwards"]["guard"] > 0
+    exact = Task(id="exact", kind=base.kind, source=base.source, question=base.question, script=base.script,
+                 options={**base.options, "rank": None})
+    cfg = WorkerConfig(model=MODEL, threads=1, max_kl=1e-9, patch_bytes=0.03)  # the batch's, where the task's rank allows
+    assert _by_id(run_batch([exact], cfg).records)["exact"]["ok"]
 
 
 # ---- the driver without models -----------------------------------------------------------------
@@ -324,6 +351,8 @@ def test_cli_ctrl_c_keeps_finished_results_and_resume_runs_the_rest(tmp_path, wo
     (["--resume"], "--resume needs --out"),
     (["--retries", "-1"], "--retries must be 0 or more"),
     (["--store", "http://kv.example/"], "--store must be a directory or a redis:// / rediss:// URL, got http://..."),
+    (["--rank", "exact", "--max-kl", "0.01"], "--max-kl is a fidelity target for low-rank patches"),
+    (["--rank", "8", "--patch-bytes", "0.1"], "use it with --rank budget, not --rank 8"),
 ])
 def test_cli_refuses_bad_options(tmp_path, args, message, capsys):
     from tools.cli import main

@@ -31,7 +31,7 @@ import torch
 
 from agentwin.models.kv import relocate_kv
 from agentwin.orbit import Orbit
-from agentwin.window_fit import layer_ranks
+from agentwin.window_fit import budget_bytes, layer_ranks
 from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 
@@ -199,6 +199,7 @@ class OrbitPolicy(PatchPolicy):
         patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held), window.storage)
         if fitted:
             window._stats.patch_bytes += patch.nbytes
+            window._stats.patched_kv_bytes += budget_bytes(1.0, held)
         if window._keys(antecedent_ids) not in chunk.orbit.seen:
             window._stats.stale_patches += 1
         return patch

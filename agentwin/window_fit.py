@@ -344,6 +344,7 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
         if probed is not None and window.guard:
             patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, held, patch, exact, start, *probed)
     stats.patch_bytes += patch.nbytes
+    stats.patched_kv_bytes += budget_bytes(1.0, held)
     stats.seconds["fit_patch"] += time.perf_counter() - t0
     return patch
 

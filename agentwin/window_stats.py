@@ -32,6 +32,10 @@ class WindowStats:
     store_hit_tokens: tokens of chunks whose canonical KV came from the store instead of an encode.
     seconds: wall time by operation (public operations and the passes inside them); `wall_s`: wall
         time inside this window's public operations, each counted once (not nested ones).
+    patch_bytes: the bytes of every patch this window fitted; patched_kv_bytes: the canonical KV
+        bytes, as the window holds them, of the chunks they were fitted for (their ratio is the
+        patches' share of their chunks' KV). kl_bytes / kl_ranks: with `max_kl`, per fitted patch
+        the bytes and the largest block rank kept (0: blind reuse met the target).
     guard_checked / guard_dropped / guard_dropped_bytes: patch components (one layer's key or value
         patch) the patch guard checked, those it dropped and their bytes (`agentwin.guard`);
         guard_fallbacks: patches the guard dropped whole (not better than blind end to end).
@@ -55,6 +59,7 @@ class WindowStats:
     encoder_calls: int = 0  # vision-tower runs
     encoder_hits: int = 0  # vision-tower outputs served by the encoder cache
     patch_bytes: int = 0
+    patched_kv_bytes: int = 0  # canonical KV bytes (as held) of the chunks those patches were fitted for
     guard_checked: int = 0  # patch components (a layer's k or v) the guard checked
     guard_dropped: int = 0  # ... and dropped (they did not lower the probe error)
     guard_dropped_bytes: int = 0

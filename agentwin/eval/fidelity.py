@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from agentwin.eval.hard_cases import hard_case, hard_case_names
+from agentwin.eval.harness import TARGET_KL
 from agentwin.eval.strategies import AgentwinStrategy, Reprefill
 from agentwin.eval.trace import Trace, measure, row_of, score, summarize
 from agentwin.policies import SIMILAR
@@ -158,8 +159,11 @@ def trace_ranks(km: Any, trace: Trace, shapes: Sequence, budgets: Sequence[float
 
 def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Sequence[float] = BUDGETS,
               fits: Sequence[str] = DEFAULT_FITS, guards: Sequence[str] = STALE_GUARDS, greedy: int = 16,
-              floor: bool = True, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every strategy over one trace; per-decision rows against the reference and the stale cases."""
+              floor: bool = True, log: Callable[[str], None] = lambda _: None,
+              max_kl: float | None = None) -> dict[str, Any]:
+    """Every strategy over one trace; per-decision rows against the reference and the stale cases.
+    With `max_kl`, also the window at its defaults with that fidelity target instead of a budget
+    (run "max_kl")."""
     sizing = trace_ranks(km, trace, shapes, budgets)
     budget = trace.budget_tokens
     reference, ref_timing = measure(trace, lambda: Reprefill(km), 1, greedy, log)
@@ -192,6 +196,9 @@ def run_trace(km: Any, bf16: Any, trace: Trace, shapes: Sequence, budgets: Seque
                                                                                         **RANK_FIT))
             grid[fit][f"{b:g}"] = name
     default = grid.get(DEFAULT_FIT, {}).get(f"{HEADLINE:g}")
+    if max_kl is not None:
+        add("max_kl", lambda: AgentwinStrategy(km, "max_kl", window_default_patch(), "budget", budget, "auto",
+                                               max_kl=max_kl))
     for policy in guards:
         add(f"{policy}-b{HEADLINE:g}", lambda g=policy: guard_strategy(km, g, budget))
     stale = stale_cases(runs, default, [f"{p}-b{HEADLINE:g}" for p in guards])
@@ -316,7 +323,8 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
             out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, [HEADLINE], by_bytes, guards, greedy,
                                                   False, log)
         else:
-            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, budgets, fits, guards, greedy, True, log)
+            out["traces"][trace.name] = run_trace(km, bf16, trace, shapes, budgets, fits, guards, greedy, True, log,
+                                                  TARGET_KL)
     agent = [n for n in out["traces"] if not n.startswith("hard-")]
     hard = [n for n in out["traces"] if n.startswith("hard-")]
     entries = out["traces"]
@@ -348,7 +356,34 @@ def run_fidelity(km: Any, traces: Sequence[Trace], budgets: Sequence[float] = BU
     for g in guards:
         out["stale_guard"].setdefault("pooled", {})[g] = pooled(
             entries, agent, lambda e, g=g: next((n for n in e["strategies"] if n.startswith(g + "-b")), None))
+    out["max_kl"] = fidelity_target(entries, agent, served)
     out["target"] = verdict(out)
+    return out
+
+
+def fidelity_target(entries: dict[str, Any], agent: Sequence[str], served: Callable[[dict], str | None]
+                    ) -> dict[str, Any] | None:
+    """`Window(max_kl=TARGET_KL)` (run "max_kl") against the window's default at 6% (`served`), per
+    agent trace and pooled: KL and agreement, and the patches' bytes as a share of their chunks'
+    canonical KV (`WindowStats.patch_bytes / patched_kv_bytes`), with the probe forwards' tokens."""
+    names = [n for n in agent if "max_kl" in entries[n]["strategies"]]
+    if not names:
+        return None
+
+    def spend(rows: Sequence[dict]) -> dict[str, Any]:
+        kv = sum(r["info"]["patched_kv_bytes"] for r in rows)
+        return {"patch_bytes": sum(r["info"]["patch_bytes"] for r in rows), "patched_kv_bytes": kv,
+                "share": sum(r["info"]["patch_bytes"] for r in rows) / kv if kv else None,
+                "guard_tokens": sum(r["forward_tokens"].get("guard", 0) for r in rows)}
+
+    out: dict[str, Any] = {"target": TARGET_KL, "traces": {}}
+    for label, pick in (("max_kl", lambda e: "max_kl"), ("default", served)):
+        for n in names:
+            row = entries[n]["strategies"][pick(entries[n])]
+            out["traces"].setdefault(n, {})[label] = {**{k: row.get(k) for k in ("kl_mean", "greedy16", "top1")},
+                                                      **spend([row]), "decisions": row["decisions"]}
+        out[label] = {**pooled(entries, names, pick), **spend([entries[n]["strategies"][pick(entries[n])]
+                                                                for n in names])}
     return out
 
 

@@ -37,6 +37,36 @@ def _bf16_path(result: dict[str, Any]) -> str:
             f"CPU flags {', '.join(path['cpu_flags']) or 'none of the bf16 / AVX ones'}")
 
 
+def _target_section(result: dict[str, Any]) -> list[str]:
+    """`Window(max_kl=...)` against the window's default budget on the agent traces."""
+    m = result.get("max_kl")
+    if not m:
+        return []
+
+    def share(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    lines = ["", "## A fidelity target instead of a budget", "",
+             (f"`Window(max_kl={m['target']:g})` with the window's other defaults (policy "
+              f"`{window_default_patch()}`): each text chunk's patch is measured on the chunk's last rows (next-token "
+              "KL against its own pass): blind reuse, then the default fit within the default budget, twice "
+              "that and so on, until the rows read within the target; the lowest-KL option is kept. The target "
+              f"is fixed, not this run's floor ({m['target']:g} nats: a bf16 re-prefill's KL measured on SmolLM2, "
+              "`agentwin.eval.harness.TARGET_KL`). Bytes: the patches' bytes over their chunks' canonical KV "
+              "bytes as the window holds them (float32); probe tokens: those of the forwards that measured them "
+              "(\"guard\")."), "",
+             "| trace | window | decisions | KL mean | top-1 | greedy-16 | patch bytes / chunks' KV | probe tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [(n, e) for n, e in m["traces"].items()] + [("pooled", {"max_kl": m["max_kl"], "default": m["default"]})]
+    for name, entry in rows:
+        for label, key in ((f"`max_kl={m['target']:g}`", "max_kl"), (f"default, ≤ {HEADLINE:.0%} bytes", "default")):
+            r = entry[key]
+            lines.append(f"| {name} | {label} | {r.get('decisions', 0)} | {_kl(r.get('kl_mean'))} | "
+                         f"{_rate(r.get('top1'))} | {_rate(r.get('greedy16'))} | {share(r.get('share'))} | "
+                         f"{r.get('guard_tokens', 0)} |")
+    return lines
+
+
 def render_page(result: dict[str, Any]) -> str:
     """Markdown of a results dict (the `--json` layout)."""
     s, t = result["settings"], result["target"]
@@ -74,6 +104,7 @@ def render_page(result: dict[str, Any]) -> str:
         if row.get("decisions"):
             lines.append(f"| {label} | {row['decisions']} | {_kl(row['kl_mean'])} | {_pct(row['top1'])} | "
                          f"{_pct(row['greedy16'])} | {_pct(row['same_action'])} |")
+    lines += _target_section(result)
     lines += ["", "## Ranks from byte budgets", "",
               ("The window's default fit (`origin`, `origin+guard`) takes each chunk's own ranks within the budget "
                "(`Window(patch_bytes=b)`; int8 factors cost T + F + 8 bytes per rank, 4-bit ones of the mixed "

@@ -477,4 +477,5 @@ class AgentwinStrategy(Strategy):
         return {"patch": self.window.policy, "rank": self.window.rank, "conditioned_passes": stats.conditioned_passes,
                 "patch_hits": stats.patch_hits, "patch_misses": stats.patch_misses,
                 "canonical_hits": stats.canonical_hits, "relocations": stats.relocations,
-                "guard": self.window.guard, "patch_bytes": stats.patch_bytes, "stale_per_decision": list(self.stale)}
+                "guard": self.window.guard, "patch_bytes": stats.patch_bytes, "patched_kv_bytes": stats.patched_kv_bytes,
+                "max_kl": self.window.max_kl, "kl_bytes": list(stats.kl_bytes), "stale_per_decision": list(self.stale)}

@@ -221,6 +221,18 @@ def test_results_fields_and_page_on_a_tiny_model(km):
     rows = result["traces"]["doc"]["per_decision"][f"{window}-b0.06"]
     assert result["kl_at_6pct"] == pytest.approx(sum(r["kl"] for r in rows) / len(rows))  # the default's, not origin's
     assert result["stale_guard"]["validation"] == ["doc", "hard-code"] and result["stale_guard"]["chosen"]
+    # The fidelity target runs on the agent trace only, at the fixed target; its patches' bytes are
+    # the window's own count, over the canonical KV of the chunks they were fitted for.
+    target = result["max_kl"]
+    assert target["target"] == fid.TARGET_KL and set(target["traces"]) == {"doc"}
+    run = result["traces"]["doc"]["strategies"]["max_kl"]
+    assert run["info"]["max_kl"] == fid.TARGET_KL and len(run["info"]["kl_bytes"]) > 0
+    assert run["info"]["patch_bytes"] == sum(run["info"]["kl_bytes"]) and run["info"]["patched_kv_bytes"] > 0
+    assert target["max_kl"]["share"] == run["info"]["patch_bytes"] / run["info"]["patched_kv_bytes"]
+    assert target["max_kl"]["guard_tokens"] == run["forward_tokens"].get("guard", 0) > 0
+    default = result["traces"]["doc"]["strategies"][f"{window}-b0.06"]["info"]
+    assert 0 < target["default"]["share"] == default["patch_bytes"] / default["patched_kv_bytes"] <= 0.06
+    assert target["max_kl"]["kl_mean"] == pytest.approx(run["kl_mean"])
     result.update({"command": "agentwin bench fidelity --quick", "model": "tiny", "threads": 1, "cpus": 2,
                    "loadavg_start": [0.0] * 3, "loadavg_end": [0.0] * 3, "wall_s_total": 1.0,
                    "settings": {"quick": True, "greedy": 4, "budgets": list(fid.BUDGETS),
@@ -231,6 +243,7 @@ def test_results_fields_and_page_on_a_tiny_model(km):
     assert f"Stale cases on all traces (agent and hard-case): 4; the window further from the re-prefill than blind " \
            f"reuse in {result['stale_worse_than_blind']} of them" in page
     assert "The window's default policy in this run: `origin-akin` (`origin-akin@0.95`)" in page
+    assert "## A fidelity target instead of a budget" in page and f"| pooled | `max_kl={fid.TARGET_KL:g}` |" in page
     # The hard-case traces run every by-bytes fit but the always-guarded one, at the headline budget.
     assert set(result["traces"]["hard-code"]["grid"]) == {"origin", "origin-residual-int8", "origin-alloc", "origin-output"}
     assert result["window_fit"] == "residual" and '`fit="residual"`' in page

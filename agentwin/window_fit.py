@@ -32,8 +32,9 @@ settings (`PatchSettings`):
   the rank for the budget), "mixed" (the allocator also decides, component by component, whether
   int8 or 4-bit codes packed two to a byte buy more of the fit per byte, from the error each
   precision adds to that component in its fit's metric: `kamera_core.budget.budget_mixed`; with
-  `rank="budget"` and the allocator fits alloc / output* / residual only), "auto" (mixed where the allocator sets the ranks, int8 where one rank is
-  set for every layer), "fp16", "bf16" or "fp32";
+  `rank="budget"` and the allocator fits alloc / output* / residual only), "auto" (mixed where
+  the allocator sets the ranks, int8 where one rank is set for every layer), "fp16", "bf16" or
+  "fp32";
 - then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
   below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
   (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, twice

@@ -371,19 +371,17 @@ def fidelity_target(entries: dict[str, Any], agent: Sequence[str], served: Calla
         return None
 
     def spend(rows: Sequence[dict]) -> dict[str, Any]:
-        kv = sum(r["info"]["patched_kv_bytes"] for r in rows)
-        return {"patch_bytes": sum(r["info"]["patch_bytes"] for r in rows), "patched_kv_bytes": kv,
-                "share": sum(r["info"]["patch_bytes"] for r in rows) / kv if kv else None,
+        patch, kv = (sum(r["info"][k] for r in rows) for k in ("patch_bytes", "patched_kv_bytes"))
+        return {"patch_bytes": patch, "patched_kv_bytes": kv, "share": patch / kv if kv else None,
                 "guard_tokens": sum(r["forward_tokens"].get("guard", 0) for r in rows)}
 
     out: dict[str, Any] = {"target": TARGET_KL, "traces": {}}
     for label, pick in (("max_kl", lambda e: "max_kl"), ("default", served)):
-        for n in names:
-            row = entries[n]["strategies"][pick(entries[n])]
+        rows = {n: entries[n]["strategies"][pick(entries[n])] for n in names}
+        for n, row in rows.items():
             out["traces"].setdefault(n, {})[label] = {**{k: row.get(k) for k in ("kl_mean", "greedy16", "top1")},
                                                       **spend([row]), "decisions": row["decisions"]}
-        out[label] = {**pooled(entries, names, pick), **spend([entries[n]["strategies"][pick(entries[n])]
-                                                                for n in names])}
+        out[label] = {**pooled(entries, names, pick), **spend(list(rows.values()))}
     return out
 
 

@@ -56,7 +56,7 @@ def plan_sizes(opts: Options) -> dict:
     if opts.quick:
         return dict(b_val=12, b_test=12, b_sets=2, s_val=[SMOLLM2_VAL_SEED], s_test=[0], queries=2, vl=1,
                     b_budgets=(0.06, 0.25), k_budgets=(0.06, 0.12), sweeps=QUICK_SWEEPS, s_sweeps=QUICK_SWEEPS, greedy=4,
-                    s_tokens=96)
+                    s_tokens=48)
     return dict(b_val=opts.binding_val_items, b_test=opts.binding_test_items, b_sets=opts.binding_test_sets,
                 s_val=list(range(SMOLLM2_VAL_SEED, SMOLLM2_VAL_SEED + opts.smollm2_val_cases)),
                 s_test=list(range(opts.smollm2_test_cases)), queries=opts.smollm2_queries, vl=opts.vl_seeds,
@@ -180,8 +180,8 @@ def _run_suite(opts: Options, root: Path, log: Callable[[str], None]) -> Path:
         header += [f"Figures of {', '.join(earlier)} come from an earlier run into the same directory (this run "
                    "skipped them); their own JSON records the settings.", ""]
     if opts.quick:
-        header += ["**Quick mode**: a few items per workload and SmolLM2 chunks cut to 96 tokens, for checking the "
-                   "harness; the figures are not the results.", ""]
+        header += [f"**Quick mode**: a few items per workload and SmolLM2 chunks cut to {plan_sizes(opts)['s_tokens']} "
+                   "tokens, for checking the harness; the figures are not the results.", ""]
     path = root / "RESULTS.md"
     page.write_page(path, sections, header)
     log(f"wrote {path} and {out_dir}/eval_* in {minutes:.1f} min")

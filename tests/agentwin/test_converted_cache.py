@@ -5,6 +5,7 @@ warning and rebuilt from the GGUF file; AGENTWIN_WEIGHT_CACHE=0 turns it off."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 
 import pytest
@@ -21,29 +22,48 @@ def _logits(model, tokenizer) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokenizer(TEXT).input_ids])).logits[0]
 
 
+class _GGUFLoads:
+    """Counts the model loads that read the GGUF file (conversions), not the cache."""
+
+    def __init__(self, monkeypatch) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.count = 0
+        plain = AutoModelForCausalLM.from_pretrained.__func__
+
+        def counted(cls, *args, **kwargs):
+            self.count += "gguf_file" in kwargs
+            return plain(cls, *args, **kwargs)
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(counted))
+
+
 @pytest.mark.slow
 def test_second_load_reads_the_cache_and_a_damaged_one_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setenv("AGENTWIN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AGENTWIN_WEIGHT_CACHE", raising=False)
-    folder = zoo.converted_cache_dir(zoo.smollm2_gguf_path(), torch.float32)
-    assert folder.startswith(str(tmp_path))
+    gguf = zoo.smollm2_gguf_path()
+    # The machine's own cache (converted from GGUF on its first load; the other tests read it too)
+    # seeds a cache in tmp_path, so this test converts once, not twice.
+    zoo.load_smollm2(torch.float32)
+    shared = zoo.converted_cache_dir(gguf, torch.float32)
+    assert os.path.isfile(os.path.join(shared, "complete.json"))
+    monkeypatch.setenv("AGENTWIN_CACHE_DIR", str(tmp_path))
+    folder = zoo.converted_cache_dir(gguf, torch.float32)
+    assert folder.startswith(str(tmp_path)) and os.path.basename(folder) == os.path.basename(shared)
+    shutil.copytree(shared, folder)
+    loads = _GGUFLoads(monkeypatch)
 
-    model, tok = zoo.load_smollm2(torch.float32)  # converts from GGUF, keeps the result
-    assert os.path.isfile(os.path.join(folder, "complete.json"))
-    reference = _logits(model, tok)
+    cached, tok = zoo.load_smollm2(torch.float32)
+    assert loads.count == 0  # read from the cache, no conversion
+    assert cached.config._attn_implementation == "sdpa"
+    assert cached.model.rotary_emb.inv_freq.dtype == torch.float32
+    reference = _logits(cached, tok)
     # A second writer (another process converting at the same time) finds the cache finished:
     # its copy is discarded without a warning and the cache stays whole.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        zoo._save_converted(model, tok, folder)
+        zoo._save_converted(cached, tok, folder)
     assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]
-    del model
-
-    cached, cached_tok = zoo.load_smollm2(torch.float32)
-    assert cached_tok(TEXT).input_ids == tok(TEXT).input_ids
-    assert cached.config._attn_implementation == "sdpa"
-    assert cached.model.rotary_emb.inv_freq.dtype == torch.float32
-    assert torch.equal(_logits(cached, cached_tok), reference)
     del cached
 
     weights = os.path.join(folder, "model.safetensors")
@@ -51,8 +71,14 @@ def test_second_load_reads_the_cache_and_a_damaged_one_is_rebuilt(tmp_path, monk
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.warns(UserWarning, match="converted-weights cache"):
         rebuilt, rebuilt_tok = zoo.load_smollm2(torch.float32)
-    assert torch.equal(_logits(rebuilt, rebuilt_tok), reference)
+    assert loads.count == 1  # converted from GGUF again
+    assert rebuilt_tok(TEXT).input_ids == tok(TEXT).input_ids
+    assert torch.equal(_logits(rebuilt, rebuilt_tok), reference)  # the cache gives the GGUF load's model
+    assert os.path.isfile(os.path.join(folder, "complete.json"))
     assert os.path.getsize(weights) > 2 * 10**8  # written again in full
+    del rebuilt
+    again, _ = zoo.load_smollm2(torch.float32)
+    assert loads.count == 1 and torch.equal(_logits(again, rebuilt_tok), reference)  # the rebuilt cache is read
 
 
 def test_cache_can_be_turned_off(tmp_path, monkeypatch):

@@ -15,6 +15,15 @@ settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
 
 _FIGURES: list[dict] = []
+_THREADS = torch.get_num_threads()  # the session's torch threads (torch's default for this machine)
+
+
+@pytest.fixture(autouse=True)
+def _session_threads():
+    """Each test ends with the session's torch thread count restored: a test (or a command it runs
+    in-process, such as `--threads 1`) that changes it does not change it for the tests after it."""
+    yield
+    torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -129,7 +129,6 @@ def test_guarded_patch_is_no_worse_than_blind_on_smollm2(case):
     reuse's."""
     from agentwin.eval.hard_cases import hard_case
 
-    torch.set_num_threads(1)
     km = _km("smollm2")
     c = hard_case(case)
     refs = []

@@ -6,7 +6,6 @@ must not be, judged against the transformers model's own forward of the same tok
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agentwin import KameraModel, Window
 from agentwin.eval.fidelity import FILLER
@@ -16,7 +15,6 @@ from kamera_core.metrics import kl_divergence
 
 @pytest.fixture(scope="module")
 def km(smollm2) -> KameraModel:
-    torch.set_num_threads(1)
     model, tokenizer = smollm2
     return KameraModel(model, tokenizer)
 

@@ -11,14 +11,14 @@ settings (`PatchSettings`):
   (`kamera_core.budget.budget_ranks`), so layers whose deficit is concentrated get the ranks;
 - `fit="svd"`: the same rank in every layer's K and V, plain truncated SVD (the Frobenius fit);
 - `fit="output"`: the allocator on the first-order error each block's deficit
-  leaves in its layer's attention output (`kamera_core.patch.output_metric`): K in the metric of
+  leaves in its layer's attention output (`kamera_core.fit_metric.output_metric`): K in the metric of
   the queries the pass computed for the chunk's rows (as `fit="query"`) scaled per head by the
   spread of the chunk's values over D, V plainly, so K and V of a layer share one unit; each
-  layer's gains normalised by its values' spread (`kamera_core.patch.value_spread`), so the ranks
+  layer's gains normalised by its values' spread (`kamera_core.fit_metric.value_spread`), so the ranks
   go where a layer's output moves most for its size. Text chunks only; others (and MLA models)
   take `fit="alloc"`;
 - `fit="residual"`: as "output", each block's error taken where it lands in the residual stream:
-  V in the metric of the layer's output projection (`kamera_core.patch.projection_metric`), K in
+  V in the metric of the layer's output projection (`kamera_core.fit_metric.projection_metric`), K in
   the query metric scaled by the values' spread in that metric, and each layer's gains relative to
   Σ ||h||² of the residual stream entering the layer over the chunk's rows, recorded in the same
   pass (`agentwin.models.residual`): every later read of the stream is normalised by its size.
@@ -65,14 +65,14 @@ from typing import Any
 from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
 from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
-from kamera_core import budget as kb, mixed, patch as kp
+from kamera_core import budget as kb, fit_metric as fm, mixed, patch as kp
 from kamera_core.fit_batch import fit_with_gains_batch, precision_for
 from kamera_core.relocate import relocate_keys
 
 RESIDUAL = "residual"
-FITS = ("svd", "query", "alloc", *kp.OUTPUT_FITS, RESIDUAL)
-QUERY_FITS = ("query", *kp.OUTPUT_FITS, RESIDUAL)  # fits that read the queries of the chunk's pass
-OUTPUT_LIKE = (*kp.OUTPUT_FITS, RESIDUAL)  # the allocator on each layer's output error
+FITS = ("svd", "query", "alloc", *fm.OUTPUT_FITS, RESIDUAL)
+QUERY_FITS = ("query", *fm.OUTPUT_FITS, RESIDUAL)  # fits that read the queries of the chunk's pass
+OUTPUT_LIKE = (*fm.OUTPUT_FITS, RESIDUAL)  # the allocator on each layer's output error
 ALLOCATING = ("alloc", *OUTPUT_LIKE)  # fits whose ranks come from the byte allocator
 BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
@@ -170,7 +170,7 @@ def query_metrics(km: Any, probe: Any, start: int) -> list[tuple[Any, None]]:
     """Per layer `(K metric, None)`: the second moment per KV head of the queries of all the
     chunk's rows in its pass (`QueryProbe.full`), in the chunk-local frame (rotated back by
     `start`, where the chunk's first token sat)."""
-    return [(kp.query_second_moment(relocate_keys(probe.full[layer].float(), spec, -start, backend="torch"),
+    return [(fm.query_second_moment(relocate_keys(probe.full[layer].float(), spec, -start, backend="torch"),
                                     km.layout.num_kv_heads), None)
             for layer, spec in enumerate(km.specs)]
 
@@ -217,7 +217,7 @@ def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = N
     With `metrics` (per layer the K output metric, fit="output"): K fitted in it, so a layer's K
     and V gains share one unit (its attention output's error), and both are normalised by the
     spread of the layer's canonical values to the power `exponent`
-    (`kamera_core.patch.layer_normaliser`: 1 a relative error per layer, 0 an absolute one).
+    (`kamera_core.fit_metric.layer_normaliser`: 1 a relative error per layer, 0 an absolute one).
     With `value_metrics` and `norms` as well (fit="residual"): V fitted in its metric, and both
     blocks normalised by the layer's `norms` entry instead. `max_kl`'s byte ladder calls `at`
     once per rung on the one decomposition."""
@@ -231,7 +231,7 @@ def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = N
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
     else:
         if norms is None:
-            norms = [kp.layer_normaliser(hv, exponent) for _, hv in held]
+            norms = [fm.layer_normaliser(hv, exponent) for _, hv in held]
         gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
     name = "alloc" if metrics is None else window.fit
     factors = [(fk, fv) for (fk, _, _), (fv, _, _) in full]
@@ -247,16 +247,16 @@ def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = N
 
 def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: list | None = None) -> list:
     """Per layer the K metric of fit="output": the query metric (`query_metrics`) scaled per head
-    by the spread of the chunk's canonical values (`kamera_core.patch.output_metric`), taken in
+    by the spread of the chunk's canonical values (`kamera_core.fit_metric.output_metric`), taken in
     `value_metrics` where given (fit="residual")."""
     vs = [None] * len(held) if value_metrics is None else value_metrics
-    return [kp.output_metric(mk, hv, mv) for (mk, _), (_, hv), mv in zip(query_metrics(km, probe, start), held, vs)]
+    return [fm.output_metric(mk, hv, mv) for (mk, _), (_, hv), mv in zip(query_metrics(km, probe, start), held, vs)]
 
 
 def residual_fit(window: Any, deltas: list, held: Any, probe: Any, start: int) -> Callable[[int], kp.ChunkPatch]:
     """fit="residual" (`allocator_fit`'s `at`): the allocator on each layer's K and V error where
     it lands in the residual stream (V in its output projection's metric,
-    `kamera_core.patch.projection_metric`; K in the query metric scaled by the values' spread in
+    `kamera_core.fit_metric.projection_metric`; K in the query metric scaled by the values' spread in
     it), relative to Σ ||h||² over the chunk's rows entering the layer in the pass
     (`agentwin.models.residual`)."""
     km = window.km
@@ -272,9 +272,9 @@ def allocated(window: Any, deltas: list, held: Any, probed: tuple | None, start:
     output metrics where the pass recorded the chunk's queries (text chunks), else plain "alloc"."""
     if window.fit == RESIDUAL and probed is not None and text:
         return residual_fit(window, deltas, held, probed[1], start)
-    if window.fit in kp.OUTPUT_FITS and probed is not None and text:
+    if window.fit in fm.OUTPUT_FITS and probed is not None and text:
         return allocator_fit(window, deltas, held, output_metrics(window.km, probed[1], start, held),
-                             kp.OUTPUT_FITS[window.fit])
+                             fm.OUTPUT_FITS[window.fit])
     return allocator_fit(window, deltas, held)
 
 

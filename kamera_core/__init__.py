@@ -10,7 +10,6 @@ from kamera_core.patch import (
     Factors,
     LayerPatch,
     apply_patch,
-    attention_mass,
     build_patch,
     exact_patch,
     identity_factors,
@@ -19,11 +18,15 @@ from kamera_core.patch import (
     fit_with_gains,
     gains,
     orbit_deficit,
-    output_metric,
-    layer_normaliser,
-    OUTPUT_FITS,
-    query_second_moment,
     quantize,
+)
+from kamera_core.fit_metric import (
+    OUTPUT_FITS,
+    attention_mass,
+    layer_normaliser,
+    output_metric,
+    projection_metric,
+    query_second_moment,
     value_spread,
 )
 from kamera_core.mixed import mixed_patch, quantisation_errors
@@ -73,4 +76,5 @@ __all__ = [
     "query_second_moment",
     "quantize",
     "value_spread",
+    "projection_metric",
 ]

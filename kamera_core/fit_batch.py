@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from kamera_core.budget import check_tensor
-from kamera_core.patch import RIDGE, Factors, _metric_sqrt, fit_with_gains
+from kamera_core.fit_metric import RIDGE, metric_sqrt
+from kamera_core.patch import Factors, fit_with_gains
 
 Tensor = torch.Tensor
 
@@ -33,9 +34,9 @@ _LOCK = threading.Lock()
 
 def metric_roots(metrics: Sequence[Tensor], inverse: bool = False) -> tuple[Tensor, Tensor | None]:
     """`(W [B, H, D, D], W⁻¹ or None)` float64 of metrics of one shape (`[H, D, D]` or `[D, D]`):
-    `kamera_core.patch._metric_sqrt` of each, its Cholesky route batched; a block the batched
+    `kamera_core.fit_metric.metric_sqrt` of each, its Cholesky route batched; a block the batched
     factorisation cannot take (a head no query reads, a metric that is not positive definite once
-    ridged) takes `_metric_sqrt`'s own route alone, so every root is the one it would give.
+    ridged) takes `metric_sqrt`'s own route alone, so every root is the one it would give.
 
     Recent roots are kept (up to 32 MiB) for the very same tensors, unmodified (identity through a
     weak reference, and torch's version counter): a chunk's fit and its mixed allocation weigh by
@@ -82,7 +83,7 @@ def _metric_roots(mts: list[Tensor], inverse: bool) -> tuple[Tensor, Tensor | No
     odd = (info != 0).any(-1) | (scale <= 0).flatten(1).any(-1)  # (B,)
     inv = torch.linalg.solve_triangular(low, eye.expand_as(low), upper=False) if inverse else None
     for b in odd.nonzero().flatten().tolist():
-        low[b], alone = _metric_sqrt(sigma[b], sigma.shape[1], dim, inverse=inverse)
+        low[b], alone = metric_sqrt(sigma[b], sigma.shape[1], dim, inverse=inverse)
         if inv is not None:
             inv[b] = alone
     return low, inv

@@ -17,9 +17,9 @@ from agentwin.eval.baselines import Result, placed_kv, with_canonical_build
 from agentwin.eval.contexts import Chunk, Context, first_position, forward_chunk, join_chunks, position_ids
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
-from kamera_core import budget as kb, kv_layout, mixed, patch as kp, rope_specs
+from kamera_core import budget as kb, fit_metric as fm, kv_layout, mixed, patch as kp, rope_specs
 
-OUTPUT_METHODS = {f"kamera-{fit}": exponent for fit, exponent in kp.OUTPUT_FITS.items()}
+OUTPUT_METHODS = {f"kamera-{fit}": exponent for fit, exponent in fm.OUTPUT_FITS.items()}
 RESIDUAL_METHOD = "kamera-residual"
 KAMERA_METHODS = ("kamera-svd", "kamera-query", "kamera-alloc", *OUTPUT_METHODS, RESIDUAL_METHOD, "kamera-orbit")
 ALLOC_METHODS = ("kamera-alloc", "kamera-orbit", *OUTPUT_METHODS, RESIDUAL_METHOD)  # the allocator's budgets
@@ -101,12 +101,12 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
     """Decompose a chunk's deficit (a Conditioning, or plain per-layer deltas for orbit patches)
     for `method`: kamera-svd / kamera-alloc / kamera-orbit plain, kamera-query with K in the
     query second-moment metric of the conditioned pass, kamera-output with K in that metric scaled
-    per head by the spread of the chunk's canonical `values` (per layer; `kp.output_metric`) and
+    per head by the spread of the chunk's canonical `values` (per layer; `fm.output_metric`) and
     both of a layer's blocks normalised by that layer's values' spread (the allocator then
     compares relative errors of each layer's attention output, as the window's fit="output");
     kamera-output-half and kamera-output-abs by its square root and by 1 (absolute errors;
-    `kp.layer_normaliser`, the window's fit="output-half" and "output-abs"); kamera-residual
-    with V in the output projection's `value_metrics` (per layer, `kp.projection_metric`), the
+    `fm.layer_normaliser`, the window's fit="output-half" and "output-abs"); kamera-residual
+    with V in the output projection's `value_metrics` (per layer, `fm.projection_metric`), the
     spread taken in it, and both blocks normalised by Σ ||h||² of the residual stream entering the
     layer over the chunk's rows (the window's fit="residual", `agentwin.models.residual`)."""
     deltas = cond.deltas if isinstance(cond, Conditioning) else list(cond)
@@ -117,22 +117,22 @@ def patch_fits(cond: Conditioning | Sequence, method: str, num_kv_heads: int | N
     if method == "kamera-query" or output:
         if not isinstance(cond, Conditioning) or num_kv_heads is None:
             raise ValueError(f"{method} needs the conditioned pass's queries and num_kv_heads")
-        metrics = [(kp.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
+        metrics = [(fm.query_second_moment(q, num_kv_heads), None) for q in cond.queries]
     if output and (values is None or len(values) != len(deltas)):
         raise ValueError(f"{method} needs the chunk's canonical values, one tensor per layer")
     if method == RESIDUAL_METHOD:
         if value_metrics is None or len(value_metrics) != len(deltas) or cond.residual is None:
             raise ValueError(f"{method} needs the output projections' metrics, one per layer, and the "
                              f"conditioned pass's residual stream")
-        metrics = [(kp.output_metric(mk, v, mv), mv) for (mk, _), v, mv in zip(metrics, values, value_metrics)]
+        metrics = [(fm.output_metric(mk, v, mv), mv) for (mk, _), v, mv in zip(metrics, values, value_metrics)]
     elif output:
-        metrics = [(kp.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
+        metrics = [(fm.output_metric(mk, v), None) for (mk, _), v in zip(metrics, values)]
     full, gains, energy = [], [], []
     for layer, ((dk, dv), (mk, mv)) in enumerate(zip(deltas, metrics)):
         fk, gk, ek = kp.fit_with_gains(dk, mk)
         fv, gv, ev = kp.fit_with_gains(dv, mv)
         if method in OUTPUT_METHODS:  # one normaliser per layer: its values' spread
-            ek = ev = kp.layer_normaliser(values[layer], OUTPUT_METHODS[method])
+            ek = ev = fm.layer_normaliser(values[layer], OUTPUT_METHODS[method])
         elif method == RESIDUAL_METHOD:  # or the residual stream's size there
             ek = ev = float(cond.residual[layer].sum())
         full.append((fk, fv))

@@ -26,7 +26,7 @@ from agentwin.eval.datasets import make_case
 from agentwin.models.conditioned import ConditionedPass, conditioned_pass
 from agentwin.models.kv import LayerKV, build_cache, concat_kv, extract_kv, relocate_kv
 from kamera_core import KVLayout, RopeSpec, kv_layout, rope_specs
-from kamera_core import budget as kb, patch as kp
+from kamera_core import budget as kb, fit_metric as fm, patch as kp
 from kamera_core.metrics import kl_divergence
 
 
@@ -132,7 +132,7 @@ def metrics_for(p: Prepared, method: str) -> tuple[list, list]:
     metrics = [(None, None)] * num_layers
     weights = [(None, None)] * num_layers
     if method in ("query", "query+value", "alloc") and p.layout.family != "mla":
-        metrics = [(kp.query_second_moment(q, p.layout.num_kv_heads), None) for q in p.cond.queries]
+        metrics = [(fm.query_second_moment(q, p.layout.num_kv_heads), None) for q in p.cond.queries]
     if method in ("query+value",):
         weights = [(None, m) for m in p.cond.mass]
     return metrics, weights

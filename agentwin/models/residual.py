@@ -6,7 +6,7 @@ anyway (forward pre-hooks: no extra forward, nothing kept but one number per row
 A layer's attention error is added to the residual stream h; every later read of it goes through
 a normalisation that divides by ||h||, so an error matters in proportion to the stream's size
 where it lands. fit="residual" measures each layer's K and V error in the residual stream
-(`kamera_core.patch.projection_metric`) relative to Σ ||h||² over the chunk's rows there.
+(`kamera_core.fit_metric.projection_metric`) relative to Σ ||h||² over the chunk's rows there.
 
 Gemma-2 and Gemma-3 normalise the attention's output again before adding it to the stream (the
 "sandwich" norm, `post_attention_norm`): an error e in the projected output y lands as
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kamera_core import patch as kp
+from kamera_core import fit_metric as fm
 
 _METRICS: "weakref.WeakKeyDictionary[Any, list[torch.Tensor]]" = weakref.WeakKeyDictionary()
 
@@ -44,7 +44,7 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[torch.Tensor]:
-    """Per layer `kamera_core.patch.projection_metric` of its attention's output projection, its
+    """Per layer `kamera_core.fit_metric.projection_metric` of its attention's output projection, its
     rows scaled by the gain of a post-attention norm where the layer has one (`norm_gain`)
     (computed once per model, float64; `ResidualUnsupported` where a layer shows no projection, or
     a post-attention norm that is not an RMS norm)."""
@@ -60,7 +60,7 @@ def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[to
         norm = post_attention_norm(layer)
         if norm is not None:
             weight = norm_gain(norm, int(weight.shape[0]), i)[0].to(weight.device)[:, None] * weight.detach().double()
-        out.append(kp.projection_metric(weight, num_kv_heads, value_dim))  # it detaches the weight
+        out.append(fm.projection_metric(weight, num_kv_heads, value_dim))  # it detaches the weight
     _METRICS[model] = out
     return out
 

@@ -6,11 +6,10 @@ chunk (Qwen2.5-VL M-RoPE) and MLA (DeepSeek-V3: c_KV and k_rope patched)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.models.kv import build_cache, concat_kv, relocate_kv
-from kamera_core import kv_layout, patch as kp, rope_specs
+from kamera_core import fit_metric as fm, kv_layout, patch as kp, rope_specs
 from tests.support import Chunk, concat, forward, image_chunk, layer_kv, make_chunk, position_ids, text_chunk, tiny
 
 CASES = ["tiny-qwen2.5-vl", "tiny-deepseek-v3", "tiny-llama-gqa", "tiny-qwen3-vl"]
@@ -78,7 +77,7 @@ def test_low_rank_fits_run_and_shrink_the_deficit(name):
     if layout.family == "mla":
         metrics = [(None, None)] * len(deltas)
     else:
-        metrics = [(kp.query_second_moment(q, layout.num_kv_heads), None) for q in cp.queries]
+        metrics = [(fm.query_second_moment(q, layout.num_kv_heads), None) for q in cp.queries]
     weights = [(None, m) for m in cp.mass]
     patch = kp.build_patch(deltas, [(2, 2)] * len(deltas), "query+value", metrics, weights, storage="int8")
     restored = kp.apply_patch(canonical, patch)

@@ -9,7 +9,7 @@ import torch
 from agentwin.models import residual
 from agentwin.models.conditioned import conditioned_pass
 from agentwin.window import Window
-from kamera_core import patch as kp
+from kamera_core import fit_metric as fm
 from tests.agentwin.test_guard import A, B, _km
 
 
@@ -97,7 +97,7 @@ def test_models_without_an_output_projection_are_refused_when_the_window_is_buil
     finally:
         km.model.model.layers[1].self_attn.o_proj = saved
     metrics = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
-    assert torch.equal(metrics[1], kp.projection_metric(saved.weight, km.layout.num_kv_heads, km.layout.value_dim))
+    assert torch.equal(metrics[1], fm.projection_metric(saved.weight, km.layout.num_kv_heads, km.layout.value_dim))
 
 
 def test_mla_models_take_the_allocator_instead():
@@ -130,7 +130,7 @@ def test_gemma_post_attention_norm_is_weighed_to_first_order():
         ratios.append(float(moved / predicted))
     assert 0.9 < min(ratios) and max(ratios) < 1.01  # the norm also removes δ's part along y
     metrics = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
-    assert torch.allclose(metrics[0], kp.projection_metric(gain[:, None] * weight, km.layout.num_kv_heads,
+    assert torch.allclose(metrics[0], fm.projection_metric(gain[:, None] * weight, km.layout.num_kv_heads,
                                                            km.layout.value_dim), rtol=1e-9)
     llama = _km("tiny-llama-gqa").model.model.layers[0]
     assert residual.post_attention_norm(llama) is None  # Llama's post_attention_layernorm is the MLP's input norm

@@ -82,7 +82,7 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     evaluation's `kamera-residual` fit (in `storage`) of a separate capture of the model's forward
     at one of those budgets, larger than the budget itself when the target is out of reach."""
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
-    from kamera_core import patch as kp
+    from kamera_core import fit_metric as fm
 
     km = _km(name)
     win = Window(km, budget_tokens=4096, max_kl=1e-12, storage=storage)
@@ -98,7 +98,7 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     deltas, queries, residual = _captured(km, win, b)
     weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
                for layer in km.model.get_decoder().layers]
-    projections = [kp.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
+    projections = [fm.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
     rungs, budget = [], first
     while True:
         rungs.append(min(budget, full))
@@ -134,7 +134,7 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
 
     from agentwin.guard import QueryProbe
     from agentwin.models.conditioned import conditioned_pass
-    from kamera_core import patch as kp
+    from kamera_core import fit_metric as fm, patch as kp
 
     km = _km(name)
     win = Window(km, budget_tokens=4096, rank=3, storage="fp32", fit="query", guard=False)  # the fit itself
@@ -143,9 +143,9 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     stored = next(iter(win._chunks[b].patches.values()))
     a_ids, b_ids = km.tokenize(A), km.tokenize(B)
     cp = conditioned_pass(km.model, torch.cat([a_ids, b_ids]), len(a_ids), km.specs, km.layout)
-    metrics = [(kp.query_second_moment(q, km.layout.num_kv_heads), None) for q in cp.queries]
+    metrics = [(fm.query_second_moment(q, km.layout.num_kv_heads), None) for q in cp.queries]
     last = QueryProbe.last_rows(len(b_ids)).rows  # the guard's probe rows: a different metric
-    probe_only = [(kp.query_second_moment(q[last], km.layout.num_kv_heads), None) for q in cp.queries]
+    probe_only = [(fm.query_second_moment(q[last], km.layout.num_kv_heads), None) for q in cp.queries]
     deltas = kp.deficit(_local(cp, km), win._chunks[b].canonical)
     expected = kp.build_patch(deltas, [(3, 3)] * len(deltas), "query", metrics=metrics, storage="fp32")
     plain = kp.build_patch(deltas, [(3, 3)] * len(deltas), "svd", storage="fp32")
@@ -196,7 +196,7 @@ def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     separate capture of the model's forward at that budget (`agentwin.eval.fits`). Returns
     (window, stored patch, B's canonical KV, fit)."""
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
-    from kamera_core import patch as kp
+    from kamera_core import fit_metric as fm
 
     win = Window(km, budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
     win.append(A)
@@ -208,7 +208,7 @@ def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     deltas, queries, residual = _captured(km, win, b)
     weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
                for layer in km.model.get_decoder().layers]
-    projections = [kp.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
+    projections = [fm.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
     want = eval_fit(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", budget, storage,
                     km.layout.num_kv_heads, [v for _, v in canonical], projections)
     return win, stored, canonical, want

@@ -11,7 +11,8 @@ import torch
 
 from kamera_core import fit_batch
 from kamera_core.fit_batch import fit_with_gains_batch, metric_roots
-from kamera_core.patch import _metric_sqrt, fit_with_gains
+from kamera_core.fit_metric import metric_sqrt
+from kamera_core.patch import fit_with_gains
 from tests.kamera_core.test_patch import _metric, _weighted_err
 
 H, D = 2, 8
@@ -69,14 +70,14 @@ def test_odd_blocks_take_their_own_route():
     deltas = _deltas(4, 11, 3) + [torch.randn(7, H, D)]  # a fifth block of another shape
     metrics = [_metric(H, D, i) for i in range(5)]
     metrics[1] = metrics[1].clone()
-    metrics[1][0] = 0  # a head no query reads: _metric_sqrt lends it the mean scale
+    metrics[1][0] = 0  # a head no query reads: metric_sqrt lends it the mean scale
     got = fit_with_gains_batch(deltas, metrics)
     for i in range(5):
         f1, g1, e1 = fit_with_gains(deltas[i], metrics[i])
         assert torch.allclose(got[i][1], g1, rtol=1e-9, atol=1e-12 * float(g1[0]))
         assert torch.allclose(got[i][0].dense(), f1.dense(), atol=1e-5)
     roots, _ = metric_roots(metrics[:4])
-    assert torch.equal(roots[1], _metric_sqrt(metrics[1].double(), H, D, inverse=False)[0])
+    assert torch.equal(roots[1], metric_sqrt(metrics[1].double(), H, D, inverse=False)[0])
 
 
 def test_bad_input_is_refused_as_fit_with_gains_refuses_it():

@@ -15,15 +15,14 @@ from kamera_core.patch import (
     Factors,
     LayerPatch,
     apply_patch,
-    attention_mass,
     build_patch,
     deficit,
     fit,
     gains,
     orbit_deficit,
-    query_second_moment,
     quantize,
 )
+from kamera_core.fit_metric import attention_mass, query_second_moment
 import kamera_core.patch as kp
 from kamera_core.relocate import relocate_keys
 from kamera_core.rope import RopeSpec
@@ -377,7 +376,7 @@ def test_output_metric_weighs_key_errors_by_what_they_do_to_the_attention_output
     weights still sum to one): the metric is zero there. Elsewhere it is the queries' second
     moment scaled by the values' spread over D, so a head whose values spread twice as far
     weighs its key errors twice as much."""
-    from kamera_core.patch import output_metric
+    from kamera_core.fit_metric import output_metric
 
     gen = torch.Generator().manual_seed(3)
     t, heads, dim = 12, 3, 8
@@ -406,7 +405,7 @@ def test_output_metric_weighs_key_errors_by_what_they_do_to_the_attention_output
 def test_layer_normaliser_by_exponent():
     """Exponent 1: T times the values' summed spread (the layer's output scale); 0: no
     normalisation (absolute errors); 0.5: the root; out-of-range exponents are refused."""
-    from kamera_core.patch import OUTPUT_FITS, layer_normaliser
+    from kamera_core.fit_metric import OUTPUT_FITS, layer_normaliser
 
     values = torch.randn(7, 2, 4, generator=_gen(3), dtype=torch.float64)
     scale = 7 * float((values - values.mean(0)).square().sum(-1).mean(0).sum())
@@ -425,7 +424,7 @@ def test_projection_metric_is_the_residual_energy_of_a_value_error():
     query head that reads KV head h (g // group, as repeat_kv) carries the same error Δv and the
     others none; the spread in that metric is the mean of (v − v̄)ᵀ·M_h·(v − v̄), and the identity
     metric gives the plain spread and the plain output metric."""
-    from kamera_core.patch import output_metric, projection_metric, query_second_moment, value_spread
+    from kamera_core.fit_metric import output_metric, projection_metric, query_second_moment, value_spread
 
     gen = _gen(11)
     hidden, hq, hkv, dv, t = 10, 6, 2, 4, 9

@@ -9,4 +9,4 @@ demo: setup
 	.venv/bin/agentwin demo
 
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15

@@ -208,11 +208,14 @@ def _uniform_rank(p, budget: float, storage: str) -> int:
     return int(budget * p.kv_bytes() // (per_layer * len(p.canonical)))
 
 
-def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print) -> dict:
-    """All single-case figures for one generated case."""
+def measure_case(model: Any, tokenizer: Any, seed: int, storage: str, log=print, max_questions: int | None = None
+                 ) -> dict:
+    """All single-case figures for one generated case (on its first `max_questions` questions
+    where given; all of them by default)."""
 
     case = make_case(seed)
-    return {"seed": seed, **measure_texts(model, tokenizer, case.a, case.b, case.queries, storage, log, f"seed {seed}")}
+    return {"seed": seed, **measure_texts(model, tokenizer, case.a, case.b, case.queries[:max_questions], storage, log,
+                                          f"seed {seed}")}
 
 
 def measure_texts(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_text: Sequence[str],

@@ -180,7 +180,7 @@ def _run_suite(opts: Options, root: Path, log: Callable[[str], None]) -> Path:
         header += [f"Figures of {', '.join(earlier)} come from an earlier run into the same directory (this run "
                    "skipped them); their own JSON records the settings.", ""]
     if opts.quick:
-        header += [f"**Quick mode**: a few items per workload and SmolLM2 chunks cut to {plan_sizes(opts)['s_tokens']} "
+        header += [f"**Quick mode**: a few items per workload and SmolLM2 chunks cut to {z['s_tokens']} "
                    "tokens, for checking the harness; the figures are not the results.", ""]
     path = root / "RESULTS.md"
     page.write_page(path, sections, header)

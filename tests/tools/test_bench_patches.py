@@ -8,17 +8,15 @@ import math
 import pytest
 
 from agentwin.eval import harness as bp
-from agentwin.eval.datasets import make_case
 from agentwin.eval.plots import plot_kl_vs_bytes
 
 
 @pytest.mark.slow
 def test_one_seed_end_to_end(smollm2, tmp_path):
     model, tokenizer = smollm2
-    # `measure_case(seed=3)` on three of the case's eight questions: its code path, at a third of
-    # the question forwards (each of the 26 measured KVs is read by every question).
-    c = make_case(3)
-    case = {"seed": 3, **bp.measure_texts(model, tokenizer, c.a, c.b, c.queries[:3], "fp16", log=lambda *a: None)}
+    # Three of the case's eight questions: the same code path at a third of the question forwards
+    # (each of the 26 measured KVs is read by every question).
+    case = bp.measure_case(model, tokenizer, seed=3, storage="fp16", log=lambda *a: None, max_questions=3)
     assert case["questions"] == 3
     # A full-rank patch reproduces KV(B|A) to fp32 precision and the logits to 1e-4.
     assert case["full_rank"]["max_rel_reconstruction_err"] <= 1e-5

@@ -187,20 +187,24 @@ def _chunk_indices(ctx: Context, pick) -> torch.Tensor:
     return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
 
 
-def method_prefix(ctx: Context, name: str, setting: str, pick) -> Result:
-    """Recompute the first `pick(chunk, T)` tokens of each reused chunk in every layer."""
+def method_prefix(ctx: Context, name: str, setting: str, pick, locals_: Sequence[Sequence[LayerKV]] | None = None
+                  ) -> Result:
+    """Recompute the first `pick(chunk, T)` tokens of each reused chunk in every layer, from
+    blind reuse (or from `locals_`: per chunk its KV in the chunk-local frame, e.g. patched)."""
     t0 = time.perf_counter()
-    base = placed_kv(ctx, ctx.canonical)
+    base = placed_kv(ctx, ctx.canonical if locals_ is None else locals_)
     kv, counts = recompute(ctx.model, ctx.cap, base, _chunk_indices(ctx, pick))
     return with_canonical_build(ctx, Result(name, setting, kv, token_layers=sum(counts),
                                             seconds=time.perf_counter() - t0))
 
 
-def method_tokens(ctx: Context, name: str, setting: str, tokens: torch.Tensor) -> Result:
-    """Recompute the given context indices in every layer (a diagnostic oracle when the caller
-    knows which tokens matter; no method can know that at reuse time)."""
+def method_tokens(ctx: Context, name: str, setting: str, tokens: torch.Tensor,
+                  locals_: Sequence[Sequence[LayerKV]] | None = None) -> Result:
+    """Recompute the given context indices in every layer, from blind reuse or `locals_` (a
+    diagnostic oracle when the caller knows which tokens matter and nothing says so at reuse
+    time; tokens chosen when the chunk's conditioned pass ran and stored with its patch)."""
     t0 = time.perf_counter()
-    base = placed_kv(ctx, ctx.canonical)
+    base = placed_kv(ctx, ctx.canonical if locals_ is None else locals_)
     kv, counts = recompute(ctx.model, ctx.cap, base, tokens.sort().values)
     return with_canonical_build(ctx, Result(name, setting, kv, token_layers=sum(counts),
                                             seconds=time.perf_counter() - t0))
@@ -227,13 +231,14 @@ def cacheblend_ratios(ratio: float, layers: int) -> list[float]:
     return [1.0] + [ratio + (first - ratio) * (layers - 1 - l) / (layers - 2) for l in range(1, layers)]
 
 
-def method_cacheblend(ctx: Context, ratio: float) -> Result:
+def method_cacheblend(ctx: Context, ratio: float, locals_: Sequence[Sequence[LayerKV]] | None = None) -> Result:
     """CacheBlend-style gradual filtering: layer 0 over every reused token; at each later layer,
     among the tokens still selected, the top `cacheblend_ratios(...)[layer]` of each reused chunk
     by deviation of that layer's fresh values from the reused ones, so the selection narrows
-    layer by layer to `ratio` at the last layer."""
+    layer by layer to `ratio` at the last layer. From blind reuse, or from `locals_` (per chunk
+    its KV in the chunk-local frame, e.g. patched)."""
     t0 = time.perf_counter()  # placement, selection and recompute: all paid at reuse
-    base = placed_kv(ctx, ctx.canonical)
+    base = placed_kv(ctx, ctx.canonical if locals_ is None else locals_)
     dec = decoder_of(ctx.model)
     all_idx = _chunk_indices(ctx, lambda c, t: t)
     chunk_of = torch.zeros(ctx.length, dtype=torch.long)

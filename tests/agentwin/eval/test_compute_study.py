@@ -120,10 +120,10 @@ def test_the_page_reports_the_least_compute_at_the_floor():
     assert cs.best_within(rows, "m", 0.05) is None
 
 
-def test_the_command_refuses_unknown_cases_and_budgets(capsys):
+@pytest.mark.parametrize("argv, message", [(["--cases", "code,poems"], "unknown case(s) poems"),
+                                           (["--budget", "6"], "--budget is a share"),
+                                           (["--threads", "0"], "--threads must be at least 1")])
+def test_the_command_refuses_bad_arguments_before_loading_anything(argv, message, capsys):
     with pytest.raises(SystemExit):
-        cs.main(["--cases", "code,poems"])
-    assert "unknown case(s) poems" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cs.main(["--budget", "6"])
-    assert "--budget is a share" in capsys.readouterr().err
+        cs.main(argv)
+    assert message in capsys.readouterr().err

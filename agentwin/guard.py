@@ -221,7 +221,7 @@ def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[
 
     Measured on the probe rows end to end (`tail_kl`: their next-token KL against the chunk's own
     pass): blind reuse first; then each patch of `rungs` in turn (`agentwin.window_fit`: the
-    window's allocator fit within its byte budget, twice that, and so on; or, for the one-rank
+    window's allocator fit within its byte budget, √2 times that, and so on; or, for the one-rank
     fits, the plain fit at the window's rank, twice that, and so on), stopping at the first whose
     KL is at most `max_kl`. `rungs` is read lazily, so a chunk blind reuse already serves costs no
     fit. The lowest-KL option measured is kept, blind reuse (no bytes) included, so the patch

@@ -85,7 +85,7 @@ class Window:
         alone was measured worse than blind reuse, and for rank=N windows; off at the default
         budget, where it changed nothing measured and costs a document step 20-70% more,
         `agentwin bench steps --guard`; `agentwin.window_fit.GUARD_BELOW`). max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows:
-        blind reuse, then the window's fit within `patch_bytes`, twice that and so on until one
+        blind reuse, then the window's fit within `patch_bytes`, √2 times that and so on until one
         does (the lowest-KL option tried is kept; `agentwin.guard.fit_to_kl`)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")

@@ -37,8 +37,8 @@ settings (`PatchSettings`):
   "fp32";
 - then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
   below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
-  (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, twice
-  that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
+  (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, √2
+  times that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
   reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
   plain fit at that rank, doubled per rung, `rank_ladder`). On SmolLM2's four hard cases, with
   each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-24%
@@ -56,6 +56,8 @@ Kamera methods with, so the window serves the fit that was measured.
 """
 
 from __future__ import annotations
+
+import math
 
 import time
 from dataclasses import dataclass
@@ -278,20 +280,27 @@ def allocated(window: Any, deltas: list, held: Any, probed: tuple | None, start:
     return allocator_fit(window, deltas, held)
 
 
-def byte_ladder(fit: Callable[[], Callable[[int], kp.ChunkPatch]], first: int, full: int) -> Iterator[kp.ChunkPatch]:
-    """`max_kl`'s rungs for an allocator fit: its patch within `first` bytes, then twice as many,
-    and so on up to `full` (the chunk's canonical KV bytes), ending early once a rung buys nothing
-    more than the one before (every component of every block already kept). `fit()` gives the
-    fit's `at` (`allocated`): its decomposition runs once, on the first rung asked for."""
-    at, budget, last = fit(), max(1, first), -1
+LADDER_STEP = math.sqrt(2)  # growth of `byte_ladder`'s budgets from one rung to the next
+
+
+def byte_ladder(fit: Callable[[], Callable[[int], kp.ChunkPatch]], first: int, full: int,
+                step: float = LADDER_STEP) -> Iterator[kp.ChunkPatch]:
+    """`max_kl`'s rungs for an allocator fit: its patch within `first` bytes, then `step` times
+    as many (√2 by default: rung i within ceil(first · step^i)), and so on up to `full` (the
+    chunk's canonical KV bytes), skipping a rung that buys nothing more than the one before.
+    `fit()` gives the fit's `at` (`allocated`): its decomposition runs once, on the first rung
+    asked for."""
+    if not step > 1:
+        raise ValueError(f"the ladder's step must be above 1, got {step!r}")
+    at, base, last, rung = fit(), max(1, first), -1, 0
     while True:
-        patch = at(min(budget, full))
-        if patch.nbytes == last:
-            return
-        yield patch
+        budget = min(full, math.ceil(round(base * step ** rung, 6)))  # 100·√2² is 200, not 201
+        patch = at(budget)
+        if patch.nbytes != last:
+            yield patch
         if budget >= full:
             return
-        last, budget = patch.nbytes, 2 * budget
+        last, rung = patch.nbytes, rung + 1
 
 
 def rank_ladder(deltas: list, rank: int, storage: str) -> Iterator[kp.ChunkPatch]:
@@ -328,7 +337,7 @@ def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: in
     if window.rank is None:
         patch = kp.exact_patch(deltas)
     elif window.max_kl is not None and probed is not None and text:
-        if window.rank == BUDGET and window.fit in ALLOCATING:  # the window's own fit, its bytes doubled per rung
+        if window.rank == BUDGET and window.fit in ALLOCATING:  # the window's own fit, its bytes ×√2 per rung
             rungs = byte_ladder(lambda: allocated(window, deltas, held, probed, start, text),
                                 budget_bytes(window.patch_bytes, held), budget_bytes(1.0, held))
         else:

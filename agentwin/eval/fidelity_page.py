@@ -49,7 +49,7 @@ def _target_section(result: dict[str, Any]) -> list[str]:
     lines = ["", "## A fidelity target instead of a budget", "",
              (f"`Window(max_kl={m['target']:g})` with the window's other defaults (policy "
               f"`{window_default_patch()}`): each text chunk's patch is measured on the chunk's last rows (next-token "
-              "KL against its own pass): blind reuse, then the default fit within the default budget, twice "
+              "KL against its own pass): blind reuse, then the default fit within the default budget, √2 times "
               "that and so on, until the rows read within the target; the lowest-KL option is kept. The target "
               f"is fixed, not this run's floor ({m['target']:g} nats: a bf16 re-prefill's KL measured on SmolLM2, "
               "`agentwin.eval.harness.TARGET_KL`). Bytes: the patches' bytes over their chunks' canonical KV "

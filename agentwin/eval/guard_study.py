@@ -5,7 +5,7 @@ factors at one rank; the window's default fit within the same bytes (`Window(pat
 ranks spread over layers and K/V, the window's default storage, and int8 factors) without the guard, at the window's default
 (`guard="auto"`: on below 6%) and always guarded; then the window with the
 case's noise floor as its fidelity target (`Window(max_kl=...)`): at its defaults (the default
-fit's bytes doubled per rung from the default budget) and with one rank everywhere (plain SVD, fp16
+fit's bytes ×√2 per rung from the default budget) and with one rank everywhere (plain SVD, fp16
 factors, from the smallest budget's rank).
 
     python -m agentwin.eval.guard_study [--cases code,roles] [--json FILE] [--floor-only]
@@ -120,7 +120,7 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
             f"default {w['kl']:.4f} (guard {'on' if w['checked'] else 'off'}), guarded {wg['kl']:.4f}")
         row["budgets"].append(entry)
     # A fidelity target instead of a rank: the case's own noise floor (or TARGET_KL without one),
-    # with the window's defaults (its fit's bytes doubled per rung from its default budget) and
+    # with the window's defaults (its fit's bytes ×√2 per rung from its default budget) and
     # with one rank everywhere (plain SVD, fp16 factors, doubled per rung from the smallest budget's rank).
     target = row.get("noise_floor", TARGET_KL)
     for key, settings in (("max_kl", {}),

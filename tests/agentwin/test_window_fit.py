@@ -3,6 +3,8 @@ rank) and `fit="query"`, checked against the model's own forward."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ def test_max_kl_keeps_the_plain_fit_at_the_rank_it_chose():
 @pytest.mark.parametrize("name, storage", [("tiny-llama-gqa", "mixed"), ("tiny-gpt-neox", "fp32")])
 def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     """Under a byte budget with an allocator fit (the default: residual, mixed factors), the
-    ladder's rungs are that fit within the budget, twice it, and so on: the patch kept is the
+    ladder's rungs are that fit within the budget, √2 times it, and so on: the patch kept is the
     evaluation's `kamera-residual` fit (in `storage`) of a separate capture of the model's forward
     at one of those budgets, larger than the budget itself when the target is out of reach."""
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
@@ -99,12 +101,9 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
                for layer in km.model.get_decoder().layers]
     projections = [fm.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
-    rungs, budget = [], first
-    while True:
-        rungs.append(min(budget, full))
-        if budget >= full:
-            break
-        budget *= 2
+    rungs = []
+    while not rungs or rungs[-1] < full:
+        rungs.append(min(full, math.ceil(round(first * 2 ** (len(rungs) / 2), 6))))
     wants = [eval_fit(Conditioning(deltas, queries, 0.0, residual), "kamera-residual", budget, storage,
                       km.layout.num_kv_heads, [v for _, v in canonical], projections) for budget in rungs]
     want = next(w for w in wants if w.nbytes == stored.nbytes)
@@ -333,3 +332,30 @@ def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
                               defaults["guard"], defaults["max_kl"], defaults["fit"])
     assert (settings.rank, settings.fit, settings.storage) == ("budget", fit, storage), chosen
     assert DEFAULT_PATCH_BYTES == 0.06
+
+
+def test_byte_ladder_grows_by_root_two_and_skips_rungs_that_buy_nothing():
+    from types import SimpleNamespace
+
+    from agentwin.window_fit import byte_ladder
+
+    asked, fits = [], []
+
+    def fit():
+        fits.append(1)
+
+        def at(budget):
+            asked.append(budget)
+            return SimpleNamespace(nbytes=min(budget, 250) // 50 * 50)  # bought in steps of 50 bytes, at most 250
+        return at
+
+    ladder = byte_ladder(fit, 100, 1000)
+    assert fits == []  # lazy: nothing is fitted before the first rung is asked for
+    got = [p.nbytes for p in ladder]
+    assert fits == [1]  # one decomposition for the whole ladder
+    assert asked == [100, 142, 200, 283, 400, 566, 800, 1000]
+    assert got == [100, 200, 250]  # 142 buys what 100 did; from 283 on, nothing more
+    assert [p.nbytes for p in byte_ladder(fit, 100, 1000, step=2.0)] == [100, 200, 250]
+    assert asked[8:] == [100, 200, 400, 800, 1000]
+    with pytest.raises(ValueError, match="step must be above 1"):
+        next(byte_ladder(fit, 100, 1000, step=1.0))

@@ -41,7 +41,7 @@ settings (`PatchSettings`):
   times that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
   reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
   plain fit at that rank, doubled per rung, `rank_ladder`). On SmolLM2's four hard cases, with
-  each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-24%
+  each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-17%
   of B's fp16 KV bytes, the one-rank ladder at 73-83% (`agentwin.eval.guard_study`).
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap

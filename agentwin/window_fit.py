@@ -58,7 +58,6 @@ Kamera methods with, so the window serves the fit that was measured.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator

@@ -83,14 +83,12 @@ def stored_selection(conditioned: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 def _window_patch(km: Any, case: HardCase, budget: float) -> tuple[Any, Any, list[float]]:
     """(window, B's stored patch, the window's own KL per question) for B appended after A,
-    evicted and recalled to its slot, with the default fit within `budget` of B's fp16 KV bytes."""
+    evicted and recalled to its slot, with the default fit within `budget` of B's fp16 KV bytes
+    (`patch_bytes` counts the KV as the window holds it, in the model's dtype)."""
     from agentwin.eval.guard_study import _served
 
-    probe, pb = _served(km, case, patch="none")
-    canonical = probe._hold(probe._chunks[pb])
-    held = sum(x.numel() * x.element_size() for kv in canonical for x in kv)
-    fp16 = sum((k.numel() + v.numel()) * 2 for k, v in canonical)
-    window, b = _served(km, case, rank="budget", patch_bytes=budget * fp16 / held)
+    held_itemsize = next(km.model.parameters()).element_size()
+    window, b = _served(km, case, rank="budget", patch_bytes=budget * 2 / held_itemsize)
     kls = [kl_divergence(window.reference_logprobs(q), window.next_token_logprobs(q), log_probs=True)
            for q in case.questions]  # reads the stored patch back
     patch = next(iter(window._chunks[b].patches.values()))
@@ -99,9 +97,8 @@ def _window_patch(km: Any, case: HardCase, budget: float) -> tuple[Any, Any, lis
 
 def case_inputs(window: Any, case: HardCase) -> tuple[list[cx.Chunk], list[torch.Tensor]]:
     """A's and B's chunks and the questions' ids exactly as the window tokenized them."""
-    first, second = window.chunks()
     ids = window.input_ids()
-    n = window.chunk_tokens(first)
+    n = window.chunk_tokens(window.chunks()[0])
     chunks = [cx.text_chunk(ids[:n]), cx.text_chunk(ids[n:])]
     return chunks, [window.input_ids(q)[ids.numel():] for q in case.questions]
 

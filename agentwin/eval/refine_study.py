@@ -187,19 +187,25 @@ def refine(ctx: cx.Context, patch: kp.ChunkPatch, probes: Sequence[Probe], steps
     and the loss before each step and after the last (the stored form's)."""
     if steps < 0:
         raise ValueError(f"steps must be ≥ 0, got {steps}")
-    for p in ctx.model.parameters():
-        p.requires_grad_(False)
+    weights = list(ctx.model.parameters())
+    trainable = [p.requires_grad for p in weights]
     r = Refiner(patch)
     opt = torch.optim.Adam(r.parameters(), lr=lr)
     curve = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = probe_loss(ctx, r.local(ctx.canonical[1]), probes)
-        loss.backward()
-        opt.step()
-        curve.append(float(loss.detach()))
-        if steps >= 4 and (step + 1) % (steps // 4) == 0:
-            log(f"    step {step + 1}/{steps}: probe KL {curve[-1]:.2e}")
+    try:
+        for p in weights:  # only the factors learn; the model is handed back as it came
+            p.requires_grad_(False)
+        for step in range(steps):
+            opt.zero_grad()
+            loss = probe_loss(ctx, r.local(ctx.canonical[1]), probes)
+            loss.backward()
+            opt.step()
+            curve.append(float(loss.detach()))
+            if steps >= 4 and (step + 1) % (steps // 4) == 0:
+                log(f"    step {step + 1}/{steps}: probe KL {curve[-1]:.2e}")
+    finally:
+        for p, flag in zip(weights, trainable):
+            p.requires_grad_(flag)
     out = r.patch()
     if out.nbytes != patch.nbytes:
         raise AssertionError(f"refined patch holds {out.nbytes} bytes, the window's {patch.nbytes}")

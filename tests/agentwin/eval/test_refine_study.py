@@ -42,7 +42,10 @@ def test_exact_patch_reads_zero_probe_kl_and_blind_does_not(ctx):
 def test_refining_keeps_storage_and_bytes_and_lowers_the_probes_kl(ctx, storage):
     patch = _patch(ctx, storage)
     probes = rs.row_probes(ctx, 5, 2)
+    flags = [p.requires_grad for p in ctx.model.parameters()]
     refined, curve = rs.refine(ctx, patch, probes, 6, 3e-3, log=lambda _: None)
+    assert [p.requires_grad for p in ctx.model.parameters()] == flags
+    assert all(p.grad is None for p in ctx.model.parameters())
     assert refined.nbytes == patch.nbytes and refined.ranks() == patch.ranks()
     assert all(rs.storage_of(a.k) == rs.storage_of(b.k) for a, b in zip(refined.layers, patch.layers))
     with torch.no_grad():

@@ -43,7 +43,7 @@ from agentwin.eval import baselines as bl
 from agentwin.eval import contexts as cx
 from agentwin.eval import metrics as mt
 from agentwin.eval.fits import method_patched
-from agentwin.eval.hard_cases import CASES, HardCase
+from agentwin.eval.hard_cases import CASES, HardCase, parse_case_names
 from agentwin.eval.workloads import SWEEPS
 from kamera_core import patch as kp
 from kamera_core.metrics import kl_divergence
@@ -231,10 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    names = parse_case_names(parser, args.cases)
     if not 0 < args.budget < 1:
         parser.error(f"--budget is a share of B's fp16 KV bytes, in (0, 1): got {args.budget}")
     if args.threads < 1:

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from agentwin.eval.hard_cases import CASES, HardCase
+from agentwin.eval.hard_cases import CASES, HardCase, parse_case_names
 from agentwin.eval.harness import TARGET_KL
 from agentwin.eval.runs import bf16_path
 from kamera_core import budget as kb
@@ -148,9 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.floor_only and args.no_floor:
         parser.error("--floor-only measures the floor: drop --no-floor")
-    unknown = [name for name in args.cases.split(",") if name not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    names = parse_case_names(parser, args.cases)
     torch.set_num_threads(1)
     from agentwin.eval.runs import load_average
     from agentwin.models.adapter import KameraModel
@@ -161,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bf16 = None if args.no_floor else load_smollm2(torch.bfloat16)[0]
     path = bf16_path()
     print("bf16 path: " + ", ".join(f"{k} {v}" for k, v in path.items()))
-    rows = [measure_case(km, CASES[name], bf16=bf16, floor_only=args.floor_only) for name in args.cases.split(",")]
+    rows = [measure_case(km, CASES[name], bf16=bf16, floor_only=args.floor_only) for name in names]
     for row in rows if not args.floor_only else ():
         for name in ("guard", "window-noguard", "window", "window+guard"):
             worse = [e["budget"] for e in row["budgets"] if e[name]["kl"] > row["blind"]]

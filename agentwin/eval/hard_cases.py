@@ -19,6 +19,7 @@ for this module and fixed, so figures measured on them compare across runs (`age
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -188,3 +189,13 @@ def hard_case(name: str) -> HardCase:
 
 def hard_case_names() -> list[str]:
     return list(CASES)
+
+
+def parse_case_names(parser: Any, text: str) -> list[str]:
+    """The comma-separated case names of a study's `--cases`; `parser.error` (argparse) names any
+    that is not one of `CASES`."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    return names

@@ -36,7 +36,7 @@ from agentwin.eval import contexts as cx
 from agentwin.eval import metrics as mt
 from agentwin.eval.compute_study import _window_patch, case_inputs
 from agentwin.eval.fits import method_patched
-from agentwin.eval.hard_cases import CASES, HardCase
+from agentwin.eval.hard_cases import CASES, HardCase, parse_case_names
 from agentwin.models.kv import relocate_kv
 from kamera_core import patch as kp
 from kamera_core.budget import FLOAT_STORAGE
@@ -289,10 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    names = parse_case_names(parser, args.cases)
     if not 0 < args.budget < 1:
         parser.error(f"--budget is a share of B's fp16 KV bytes, in (0, 1): got {args.budget}")
     for name in ("steps", "probe", "cuts", "threads"):

@@ -14,9 +14,10 @@ questions against the float32 re-prefill:
   next `--probe` rows of B fed fresh, their logits set against the conditioned pass's, at
   `--cuts` cuts spread over B. It costs a backward pass per probe and step, so it could only run
   in the background; it is here to ask whether it would pay.
-- `questions`: an oracle no window has. The first half of the case's questions (their own tokens
-  after the patched [A, B], against the re-prefill of [A, B, question]); scored on all, and the
-  held-out half read apart: does fitting to some questions carry over to others?
+- `questions-1`, `questions-2`: an oracle no window has. One half of the case's questions each
+  (their own tokens after the patched [A, B], against the re-prefill of [A, B, question]); scored
+  on all, the other half read apart, and each question once by the refinement that did not see
+  it: does fitting to some questions carry over to others?
 
 Writes the figures and a results page (`REFINE.md` beside `--json`).
 """
@@ -214,36 +215,52 @@ def refine(ctx: cx.Context, patch: kp.ChunkPatch, probes: Sequence[Probe], steps
     return out, curve
 
 
+def held_out(rows: Sequence[dict], halves: Sequence[Sequence[int]], questions: int) -> list[float | None]:
+    """Marks each `refined-questions-k` row with the questions it was trained on (`halves[k-1]`)
+    and its mean KL over the others (`held_out_kl`; None where it saw them all); returns, per
+    question, its KL under the question refinement that did not see it (None if every one did)."""
+    seen = {}
+    for row in rows:
+        name = row["method"].removeprefix("refined-")
+        if name.startswith("questions-"):
+            seen[row["method"]] = trained = list(halves[int(name.split("-")[1]) - 1])
+            held = [i for i in range(questions) if i not in trained]
+            row["trained_on"] = trained
+            row["held_out_kl"] = statistics.fmean(row["kls"][i] for i in held) if held else None
+    return [next((r["kls"][i] for r in rows if r["method"] in seen and i not in seen[r["method"]]), None)
+            for i in range(questions)]
+
+
 def measure_case(km: Any, model: Any, bf16: Any, case: HardCase, args: argparse.Namespace,
                  log: Callable[[str], None] = print) -> dict:
-    """The window's patch, refined on B's rows and on half the questions, scored on the questions."""
+    """The window's patch, refined on B's rows and on each half of the questions, scored on the questions."""
     t0 = time.perf_counter()
     window, patch, _ = _window_patch(km, case, args.budget)
     chunks, queries = case_inputs(window, case)
     ctx = cx.build_context(model, chunks, queries, greedy=GREEDY)
     low = cx.build_context(bf16, chunks, queries, greedy=GREEDY)
     floor_kls = [kl_divergence(ref, lg.float()) for ref, lg in zip(ctx.reference, low.reference)]
-    train = list(range((len(queries) + 1) // 2))
-    held = [i for i in range(len(queries)) if i not in train]
-    rows_probes = row_probes(ctx, min(args.probe, ctx.reused_tokens() - 1), args.cuts)
-    q_probes = question_probes(ctx, train)
-    with torch.no_grad():
-        before = {"rows": float(probe_loss(ctx, kp.apply_patch(ctx.canonical[1], patch), rows_probes)),
-                  "questions": float(probe_loss(ctx, kp.apply_patch(ctx.canonical[1], patch), q_probes))}
+    first = list(range((len(queries) + 1) // 2))
+    halves = [first, [i for i in range(len(queries)) if i not in first]] if len(queries) > 1 else [first]
+    sets = {"rows": row_probes(ctx, min(args.probe, ctx.reused_tokens() - 1), args.cuts)}
+    for k, half in enumerate(halves, 1):
+        sets[f"questions-{k}"] = question_probes(ctx, half)
     results, curves = [method_patched(ctx, "window", "", [patch])], {}
-    for name, probes in (("rows", rows_probes), ("questions", q_probes)):
+    for name, probes in sets.items():
+        with torch.no_grad():
+            before = float(probe_loss(ctx, kp.apply_patch(ctx.canonical[1], patch), probes))
         log(f"  refining on {name} ({len(probes)} probe(s), {args.steps} steps)")
         t1 = time.perf_counter()
         refined, curve = refine(ctx, patch, probes, args.steps, args.lr, log)
-        curves[name] = {"loss": curve, "before": before[name], "seconds": time.perf_counter() - t1}
+        curves[name] = {"loss": curve, "before": before, "seconds": time.perf_counter() - t1}
         results.append(method_patched(ctx, f"refined-{name}", "", [refined]))
     rows = mt.score_many(ctx, results, greedy=GREEDY)
     for row in rows:
         row.pop("argmax", None)
-        row["held_out_kl"] = statistics.fmean(row["kls"][i] for i in held) if held else None
-    out = {"case": case.name, "b_tokens": ctx.reused_tokens(), "questions": len(queries), "train_questions": train,
+    unseen = held_out(rows, halves, len(queries))
+    out = {"case": case.name, "b_tokens": ctx.reused_tokens(), "questions": len(queries),
            "noise_floor": statistics.fmean(floor_kls), "floor_kls": floor_kls,
-           "noise_floor_held_out": statistics.fmean(floor_kls[i] for i in held) if held else None,
+           "held_out_kl": statistics.fmean(unseen) if unseen and None not in unseen else None,
            "patch_bytes_frac": patch.nbytes / ctx.reused_kv_bytes(), "rows": rows, "probes": curves,
            "seconds": time.perf_counter() - t0}
     log(f"{case.name}: floor {out['noise_floor']:.2e}; " + ", ".join(f"{r['method']} {r['kl']:.2e}" for r in rows)
@@ -261,27 +278,34 @@ def render(data: dict) -> str:
              f"{data['steps']} Adam steps (learning rate {data['lr']:g}) on next-token KL through the whole model, "
              "in its own storage (same ranks, same bytes; the forward reads the stored form). `refined-rows`: "
              f"probes of B's own rows ({data['probe']} rows at {data['cuts']} cuts) against the conditioned "
-             "pass, what the window has at append. `refined-questions`: an oracle, the first half of the "
-             "questions themselves. Every row is scored on all the questions against the float32 "
-             "re-prefill; `held-out KL` reads only the questions no refinement saw. `probe KL` is the "
-             "refinement's own loss before and after (stored form).\n"]
-    lines.append("| case | method | probe KL before → after | KL | KL / floor | held-out KL | held-out / floor "
-                 "| top-1 | greedy-16 | seconds |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+             "pass, what the window has at append. `refined-questions-1` and `-2`: an oracle, one half of "
+             "the questions each (the first half, then the rest). Every row is scored on all the questions "
+             "against the float32 re-prefill; a question refinement's `held-out KL` reads only the other "
+             "half. `probe KL` is the refinement's own loss before and after (stored form).\n"]
+    lines.append("| case | method | probe KL before → after | KL | KL / floor | held-out KL | top-1 | greedy-16 "
+                 "| seconds |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case in data["cases"]:
-        floor, held_floor = case["noise_floor"], case["noise_floor_held_out"]
+        floor = case["noise_floor"]
         for r in case["rows"]:
             probe = case["probes"].get(r["method"].removeprefix("refined-"))
             probe_cell = f"{probe['before']:.2e} → {probe['loss'][-1]:.2e}" if probe else ""
-            held = r["held_out_kl"]
+            held = r.get("held_out_kl")
             lines.append(f"| {case['case']} | {r['method']} | {probe_cell} | {r['kl']:.2e} | {r['kl'] / floor:.2f} | "
-                         + (f"{held:.2e} | {held / held_floor:.2f}" if held is not None else "– | –")
-                         + f" | {r['top1']:.0%} | {r['greedy_same']:.0%} | "
+                         + ("–" if held is None else f"{held:.2e}") + f" | {r['top1']:.0%} | {r['greedy_same']:.0%} | "
                          + (f"{probe['seconds']:.0f}" if probe else "") + " |")
     lines.append("")
-    lines.append("Floors (bf16 re-prefill against float32, same inputs), all questions / held-out: "
-                 + "; ".join(f"{c['case']} {c['noise_floor']:.2e} / {c['noise_floor_held_out']:.2e}"
-                             for c in data["cases"] if c["noise_floor_held_out"] is not None) + ".\n")
+    lines.append("## Every question, as a multiple of its case's floor\n")
+    lines.append("`questions held out`: each question read after the question refinement that did not see it. "
+                 "The floor is the bf16 re-prefill's mean KL against float32 over all the case's questions.\n")
+    lines.append("| case | floor | window | refined-rows | questions held out |")
+    lines.append("| --- | --- | --- | --- | --- |")
+    for case in data["cases"]:
+        floor = case["noise_floor"]
+        kl = {r["method"]: r["kl"] for r in case["rows"]}
+        held = case["held_out_kl"]
+        lines.append(f"| {case['case']} | {floor:.2e} | {kl['window'] / floor:.2f} | {kl['refined-rows'] / floor:.2f} | "
+                     + ("–" if held is None else f"{held / floor:.2f}") + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -54,8 +54,34 @@ def test_refining_keeps_storage_and_bytes_and_lowers_the_probes_kl(ctx, storage)
     assert curve[-1] < 0.9 * before
 
 
+def test_each_question_is_read_by_the_refinement_that_did_not_see_it():
+    rows = [{"method": "window", "kls": [1.0, 2.0, 3.0]},
+            {"method": "refined-questions-1", "kls": [10.0, 20.0, 30.0]},
+            {"method": "refined-questions-2", "kls": [100.0, 200.0, 300.0]}]
+    assert rs.held_out(rows, [[0, 1], [2]], 3) == [100.0, 200.0, 30.0]
+    assert rows[1]["held_out_kl"] == 30.0 and rows[2]["held_out_kl"] == 150.0
+    assert rows[1]["trained_on"] == [0, 1] and "held_out_kl" not in rows[0]
+    one = [{"method": "refined-questions-1", "kls": [5.0]}]
+    assert rs.held_out(one, [[0]], 1) == [None] and one[0]["held_out_kl"] is None
+
+
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--lr", "0"], ["--cases", "nope"], ["--budget", "1.5"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         rs.main(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_page_names_every_row_and_each_case_held_out_against_its_floor():
+    row = {"kl": 2e-3, "top1": 1.0, "greedy_same": 0.5}
+    rows = [{**row, "method": "window"}, {**row, "method": "refined-rows"},
+            {**row, "method": "refined-questions-1", "held_out_kl": 3e-3}]
+    probe = {"before": 4e-3, "loss": [4e-3, 1e-3], "seconds": 7.0}
+    case = {"case": "code", "noise_floor": 1e-3, "held_out_kl": 3e-3, "rows": rows,
+            "probes": {"rows": probe, "questions-1": probe}}
+    data = {"command": "c", "threads": 2, "loadavg_start": [0], "loadavg_end": [0], "budget": 0.06, "steps": 2,
+            "lr": 1e-3, "probe": 32, "cuts": 4, "bf16_path": {"cpu_capability": "x", "onednn_max_cpu_isa": None},
+            "cases": [case]}
+    page = rs.render(data)
+    assert "| code | refined-questions-1 | 4.00e-03 → 1.00e-03 | 2.00e-03 | 2.00 | 3.00e-03 | 100% | 50% | 7 |" in page
+    assert "| code | 1.00e-03 | 2.00 | 2.00 | 3.00 |" in page

@@ -7,7 +7,7 @@ cases (`agentwin.eval.hard_cases`), against the bfloat16 noise floor on the same
 The window fits each layer's K and V deficit in closed form, one block at a time. Here its 6%
 patch (the same factors, ranks and storage, so the same bytes) is refined by Adam on a
 next-token KL through the whole model, with the quantisation in the loop (straight-through: the
-forward reads the factors as they will be stored). Two sets of probes, each scored on the
+forward reads the factors as they will be stored). Probes of two kinds, each refinement scored on the
 questions against the float32 re-prefill:
 
 - `rows`: what the window has at append, B's own rows. Context [A, patched B up to a cut], the

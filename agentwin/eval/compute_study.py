@@ -227,15 +227,23 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def check_common(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The hard-case studies' shared checks (`--cases`, `--budget`, `--threads`): the case names,
+    or `parser.error`."""
     names = parse_case_names(parser, args.cases)
     if not 0 < args.budget < 1:
         parser.error(f"--budget is a share of B's fp16 KV bytes, in (0, 1): got {args.budget}")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    return names
+
+
+def run_study(args: argparse.Namespace, names: Sequence[str], command: str,
+              add: Callable[[argparse.ArgumentParser], None], measure: Callable[..., dict],
+              render_page: Callable[[dict], str], page_name: str, **settings: Any) -> int:
+    """Load SmolLM2 (the window's model, a plain float32 copy, a bfloat16 one), `measure(km,
+    model, bf16, case)` each case in order, and write the figures with the run's settings, load
+    average and bf16 path, and the page rendered from them."""
     torch.set_num_threads(args.threads)
     from agentwin.eval.runs import bf16_path, command_of, load_average, write_results
     from agentwin.models.adapter import KameraModel
@@ -248,11 +256,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name}", flush=True)
-        cases.append(measure_case(km, model, bf16, CASES[name], args.budget))
-    data = {"command": command_of(COMMAND, args, add_arguments), "threads": args.threads, "budget": args.budget,
+        cases.append(measure(km, model, bf16, CASES[name]))
+    data = {"command": command_of(command, args, add), "threads": args.threads, "budget": args.budget, **settings,
             "loadavg_start": start, "loadavg_end": load_average(), "bf16_path": bf16_path(), "cases": cases}
-    write_results(data, render, args.json, args.page, "COMPUTE.md")
+    write_results(data, render_page, args.json, args.page, page_name)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    names = check_common(parser, args)
+    return run_study(args, names, COMMAND, add_arguments,
+                     lambda km, model, bf16, case: measure_case(km, model, bf16, case, args.budget),
+                     render, "COMPUTE.md")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ import torch
 
 from agentwin.eval import contexts as cx
 from agentwin.eval import metrics as mt
-from agentwin.eval.compute_study import _window_patch, case_inputs
+from agentwin.eval.compute_study import _window_patch, case_inputs, check_common, run_study
 from agentwin.eval.fits import method_patched
-from agentwin.eval.hard_cases import CASES, HardCase, parse_case_names
+from agentwin.eval.hard_cases import CASES, HardCase
 from agentwin.models.kv import relocate_kv
 from kamera_core import patch as kp
 from kamera_core.budget import FLOAT_STORAGE
@@ -313,32 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    names = parse_case_names(parser, args.cases)
-    if not 0 < args.budget < 1:
-        parser.error(f"--budget is a share of B's fp16 KV bytes, in (0, 1): got {args.budget}")
-    for name in ("steps", "probe", "cuts", "threads"):
+    names = check_common(parser, args)
+    for name in ("steps", "probe", "cuts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
-    torch.set_num_threads(args.threads)
-    from agentwin.eval.runs import bf16_path, command_of, load_average, write_results
-    from agentwin.models.adapter import KameraModel
-    from agentwin.models.zoo import load_smollm2
-
-    start = load_average()
-    km = KameraModel.from_pretrained("smollm2")
-    model = load_smollm2(torch.float32)[0].eval()
-    bf16 = load_smollm2(torch.bfloat16)[0].eval()
-    cases = []
-    for i, name in enumerate(names, 1):
-        print(f"[{i}/{len(names)}] {name}", flush=True)
-        cases.append(measure_case(km, model, bf16, CASES[name], args))
-    data = {"command": command_of(COMMAND, args, add_arguments), "threads": args.threads, "budget": args.budget,
-            "steps": args.steps, "lr": args.lr, "probe": args.probe, "cuts": args.cuts,
-            "loadavg_start": start, "loadavg_end": load_average(), "bf16_path": bf16_path(), "cases": cases}
-    write_results(data, render, args.json, args.page, "REFINE.md")
-    return 0
+    return run_study(args, names, COMMAND, add_arguments,
+                     lambda km, model, bf16, case: measure_case(km, model, bf16, case, args),
+                     render, "REFINE.md", steps=args.steps, lr=args.lr, probe=args.probe, cuts=args.cuts)
 
 
 if __name__ == "__main__":

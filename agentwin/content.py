@@ -16,7 +16,11 @@ from agentwin.store import ChunkKey
 
 @dataclass(frozen=True, slots=True)
 class Text:
-    """A text chunk."""
+    """A text chunk: a str with at least one character that is not whitespace, encodable as UTF-8.
+
+    Whitespace alone gives the patch fit nothing to weight, and a lone surrogate (what
+    `errors="surrogateescape"` or a JSON `\\ud800` escape leaves) cannot reach the tokenizer: both
+    are refused here rather than deep inside `Window.append`."""
 
     text: str
 
@@ -25,6 +29,15 @@ class Text:
             raise TypeError(f"Text needs a str, got {type(self.text).__name__}")
         if not self.text:
             raise ValueError("Text needs at least one character")
+        if self.text.isspace():
+            raise ValueError(f"Text is only whitespace ({self.text[:16]!r}); a chunk needs at least one visible "
+                             "character: put the whitespace at the start of the next chunk's text, or leave it out")
+        try:
+            self.text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"Text cannot be encoded as UTF-8: lone surrogate {self.text[err.start]!r} at index "
+                             f"{err.start}; pass text decoded with errors='replace' (or with the surrogate "
+                             "removed)") from None
 
 
 @dataclass(frozen=True)

@@ -101,10 +101,12 @@ VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging 
 
 
 def make_window(km: Any, args: Any) -> Any:
+    """The window the options describe; `args.store` (checked by the command's parser: a directory
+    or a redis:// / rediss:// URL) is opened by `open_store`, as `agentwin batch` opens it."""
     from agentwin import Window
-    from agentwin.store import ChunkStore
+    from agentwin.store import open_store
 
-    store = ChunkStore(args.store, model_fingerprint=km.fingerprint) if args.store else None
+    store = open_store(args.store, model_fingerprint=km.fingerprint) if args.store else None
     return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
                   patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
 
@@ -176,6 +178,7 @@ def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: b
         result = loop.run()
     finally:
         env.close()
+        window.store.close()  # a Redis tier's connections, a disk tier's lock
     print("\nsteps:")
     print(steps_table(result.records))
     print("\nsummary:")

@@ -22,6 +22,7 @@ from typing import Any
 
 from agents.console import (VLM_HINT, fraction_arg, kl_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
                             rank_arg, refuse, run_agent, steps_table, write_json)
+from tools.store_args import add_store_argument
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
               "a file that is not a PDF or a video, an unreachable start page, a model that cannot be "
@@ -55,7 +56,7 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
                             "than the chunk itself is, none), origin-similar (the same with a fixed cosine only), "
                             "origin (fitted at append, served after any antecedent), fresh (a pass per new "
                             "antecedent), none (blind) (default origin-akin)")
-    group.add_argument("--store", metavar="DIR", help="keep canonical KV and patches on disk in DIR, shared across runs")
+    add_store_argument(group, "shared across runs (default: none, the run's own RAM)")
     group.add_argument("--max-steps", type=positive_arg, default=max_steps, help=f"decisions before giving up (default {max_steps})")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48,
                        help="most tokens the model may write per decision; decoding stops earlier, where the "

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 
 from tools.agents_cli import fraction_arg, kl_arg, positive_arg, rank_arg
+from tools.store_args import add_store_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tasks", metavar="TASKS.jsonl", help="the task file, one JSON object per line")
     parser.add_argument("--workers", type=positive_arg, default=1, help="workers, one model each (default 1)")
     parser.add_argument("--model", default="smollm2", help="smollm2, a tiny-* name, a local path or a hub name (default smollm2)")
-    parser.add_argument("--store", metavar="DIR|URL", help="store shared by every worker: a directory or a redis:// URL "
-                                                           "(default: a private RAM store per worker)")
+    add_store_argument(parser, "shared by every worker (default: a private RAM store per worker)")
     parser.add_argument("--out", metavar="FILE", help="write results as JSON lines to FILE (default stdout)")
     parser.add_argument("--resume", action="store_true", help="keep the finished results already in --out and run the rest")
     parser.add_argument("--ray", metavar="ADDRESS", help="run the workers as Ray actors: 'local' starts a local Ray "

@@ -26,7 +26,15 @@ from __future__ import annotations
 import argparse
 import sys
 from types import ModuleType
-from typing import Sequence
+from typing import NoReturn, Sequence
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): `agentwin doc: error: argument --store: ...
+    (agentwin doc --help lists the options)`, exit status 2. Subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
 def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleType, help: str) -> None:
@@ -43,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tools import bench_fidelity, bench_trace
     from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
-    parser = argparse.ArgumentParser(prog="agentwin", description="Multimodal agents with a reversible context window.")
+    parser = _Parser(prog="agentwin", description="Multimodal agents with a reversible context window.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _command(sub, "demo", demo, "document navigator on the real SmolLM2: evictions, recalls, KL vs re-prefill, savings")
     _command(sub, "relocation-demo", relocation_demo, "exact relocation of KV encoded 30000 positions away, on SmolLM2")

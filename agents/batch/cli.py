@@ -94,8 +94,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the options, or None."""
     if args.resume and args.out is None:
         return "--resume needs --out (the file whose finished results to keep)"
-    if args.store is not None and "://" in args.store and not args.store.startswith(("redis://", "rediss://")):
-        return (f"--store must be a directory or a redis:// / rediss:// URL, got {args.store.split('://')[0]}://...")
     if args.retries < 0:
         return f"--retries must be 0 or more, got {args.retries}"
     from agents.console import window_option_error

@@ -350,7 +350,6 @@ def test_cli_ctrl_c_keeps_finished_results_and_resume_runs_the_rest(tmp_path, wo
 @pytest.mark.parametrize("args, message", [
     (["--resume"], "--resume needs --out"),
     (["--retries", "-1"], "--retries must be 0 or more"),
-    (["--store", "http://kv.example/"], "--store must be a directory or a redis:// / rediss:// URL, got http://..."),
     (["--rank", "exact", "--max-kl", "0.01"], "--max-kl is a fidelity target for low-rank patches"),
     (["--rank", "8", "--patch-bytes", "0.1"], "use it with --rank budget, not --rank 8"),
 ])

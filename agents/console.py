@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from argparse import ArgumentTypeError
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class _Quiet(io.StringIO):
@@ -133,14 +133,30 @@ def refuse(message: str) -> int:
     return 2
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `threads` inside the block (None: left as they are); the
+    caller's count is back after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False,
               check: Callable[[], None] | None = None) -> int:
     """Check the input (`check`, raising EnvError) and the model name, load the model, open the
-    environment, run the loop with the model deciding, report."""
+    environment, run the loop with the model deciding, report; torch runs `args.threads` threads
+    meanwhile. The task text and the numbers were checked by the parser (`question_arg`, ...)."""
     from agents.base import EnvError
-    from agents.loop import AgentLoop
-    from agents.model import WindowDecider
 
+    if not isinstance(task, str) or not task.strip():
+        return refuse("the question or task is empty; say what the agent should find out or do")
     if args.model is None:
         return refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
     problem = window_option_error(args)
@@ -160,6 +176,15 @@ def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: b
             check()
     except EnvError as err:
         return refuse(str(err))
+    with torch_threads(getattr(args, "threads", None)):
+        return _load_and_run(args, task, make_env, needs_vlm)
+
+
+def _load_and_run(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: bool) -> int:
+    from agents.base import EnvError
+    from agents.loop import AgentLoop
+    from agents.model import WindowDecider
+
     progress = not args.quiet
     try:
         km = load_model(args.model, progress)
@@ -227,6 +252,30 @@ def kl_arg(text: str) -> float:
         raise ArgumentTypeError(f"expected a positive KL in nats (such as 0.0024), got {text!r}") from None
     if not 0 < value < float("inf"):
         raise ArgumentTypeError(f"expected a positive KL in nats (such as 0.0024), got {text!r}")
+    return value
+
+
+def question_arg(text: str) -> str:
+    """`--question` / `--task`: text with something in it, encodable as UTF-8 (argv bytes that are
+    not UTF-8 reach Python as lone surrogates)."""
+    if not text.strip():
+        raise ArgumentTypeError("is empty; say what the agent should find out or do")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ArgumentTypeError(f"is not valid UTF-8 text (byte {text[err.start].encode('utf-8', 'surrogateescape')!r} "
+                                f"at character {err.start}); write it in UTF-8") from None
+    return text
+
+
+def positive_float_arg(text: str) -> float:
+    """A positive, finite number (seconds, frames per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a positive, finite number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
     return value
 
 

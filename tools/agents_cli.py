@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from agents.console import (VLM_HINT, fraction_arg, kl_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
-                            rank_arg, refuse, run_agent, steps_table, write_json)
+                            positive_float_arg, question_arg, rank_arg, refuse, run_agent, steps_table, write_json)
 from tools.store_args import add_store_argument
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
@@ -57,6 +57,10 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
                             "origin (fitted at append, served after any antecedent), fresh (a pass per new "
                             "antecedent), none (blind) (default origin-akin)")
     add_store_argument(group, "shared across runs (default: none, the run's own RAM)")
+    group.add_argument("--threads", type=positive_arg, default=1,
+                       help="torch CPU threads (default 1: the small eigendecompositions of exact patches slow "
+                            "down by orders of magnitude with 2 threads on cores shared with other processes; "
+                            "SmolLM2's forwards barely gain from a second thread)")
     group.add_argument("--max-steps", type=positive_arg, default=max_steps, help=f"decisions before giving up (default {max_steps})")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48,
                        help="most tokens the model may write per decision; decoding stops earlier, where the "
@@ -81,7 +85,7 @@ def _agent_arguments(parser: argparse.ArgumentParser, model: str | None, budget:
 
 def _doc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.pdf", help="the PDF to read")
-    parser.add_argument("--question", required=True, help="what to find out from the document")
+    parser.add_argument("--question", required=True, type=question_arg, help="what to find out from the document")
     parser.add_argument("--max-chars", type=positive_arg, default=1500, help="page text shown per observation (default 1500)")
     _agent_arguments(parser, model="smollm2", budget=1024, max_steps=12)
 
@@ -99,7 +103,7 @@ def _doc_run(args: argparse.Namespace) -> int:
 
 def _web_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", metavar="URL", help="the start page (http or https)")
-    parser.add_argument("--task", required=True, help="what the agent should find out or do")
+    parser.add_argument("--task", required=True, type=question_arg, help="what the agent should find out or do")
     parser.add_argument("--allow-host", action="append", metavar="HOST",
                         help="another host the agent may visit besides the start URL's (repeatable; "
                              "'*.example.org' for a domain and its subdomains)")
@@ -118,17 +122,16 @@ def _web_run(args: argparse.Namespace) -> int:
 
 def _video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="the video (mp4, mkv, webm, ...)")
-    parser.add_argument("--question", required=True, help="what to find out from the video")
-    parser.add_argument("--segment-seconds", type=float, default=4.0, help="seconds per segment chunk (default 4)")
-    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second (default 2, as qwen-vl-utils)")
+    parser.add_argument("--question", required=True, type=question_arg, help="what to find out from the video")
+    parser.add_argument("--segment-seconds", type=positive_float_arg, default=4.0,
+                        help="seconds per segment chunk (default 4)")
+    parser.add_argument("--fps", type=positive_float_arg, default=2.0,
+                        help="frames sampled per second (default 2, as qwen-vl-utils)")
     _agent_arguments(parser, model=None, budget=4096, max_steps=16)
 
 
 def _video_run(args: argparse.Namespace) -> int:
     from agents.video import VideoEnv
-
-    if not args.segment_seconds > 0 or not args.fps > 0:
-        return refuse("--segment-seconds and --fps must be positive")
 
     def make(km: Any) -> Any:
         return VideoEnv(args.file, segment_seconds=args.segment_seconds, fps=args.fps)

@@ -10,12 +10,14 @@ import argparse
 import json
 import sys
 
+from agents.console import positive_arg
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes (a check of the command on the real model, not a measurement)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads on every side (default 2)")
+    parser.add_argument("--threads", type=positive_arg, default=2, help="torch CPU threads on every side (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per path, at least 5 (default 5)")
     parser.add_argument("--window-tokens", type=int, default=8192, help="recall: tokens in the window (default 8192)")
     parser.add_argument("--segment-tokens", type=int, default=4096, help="recall: tokens of the segment (default 4096)")

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from agents.console import positive_arg, torch_threads
 from agentwin.eval.harness import measure_case, measure_orbit, print_report, summarise
 
 
@@ -35,9 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
     parser.add_argument("--plot", metavar="PNG", help="write the KL-versus-bytes plot to PNG")
     parser.add_argument("--page", metavar="FILE", help="the results page (default: PATCHES.md next to the --json file)")
+    parser.add_argument("--threads", type=positive_arg, default=1, help="torch CPU threads (default 1, as the demo's)")
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads):
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> int:
     from agentwin.eval import patches_page, runs
     from agentwin.eval.plots import plot_kl_vs_bytes
     from agentwin.models.zoo import load_smollm2

@@ -29,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from agentwin.eval.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
-from agents.console import window_option_error
+from agents.console import torch_threads, window_option_error
 from tools import relocation_demo
 from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
 
@@ -46,10 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=20,
                         help="tokens of the answer (and of the relocation demo's continuations) (default 20)")
     parser.add_argument("--pdf", metavar="FILE", help="also keep the generated PDF at FILE")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: the small eigendecompositions of exact patches "
-                             "slow down by orders of magnitude with 2 threads on cores shared with other "
-                             "processes; SmolLM2's forwards barely gain from a second thread)")
     add_window_arguments(parser, model="smollm2", budget=320, max_steps=14, rank="exact")
 
 
@@ -91,19 +85,12 @@ def run(args: argparse.Namespace) -> int:
     if args.new_tokens < 1:
         print("error: --new-tokens must be positive", file=sys.stderr)
         return 2
-    if args.threads < 1:
-        print("error: --threads must be positive", file=sys.stderr)
-        return 2
     problem = window_option_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _navigator(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _navigator(args: argparse.Namespace) -> int:

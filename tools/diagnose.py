@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from agents.console import positive_arg, torch_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "code, roles, table or steps (agentwin.eval.hard_cases)")
     parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
+    parser.add_argument("--threads", type=positive_arg, default=1, help="torch CPU threads (default 1, as the demo's)")
 
 
 def _read(path: str, what: str) -> str:
@@ -44,6 +46,11 @@ def _read(path: str, what: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads):
+        return _diagnose(args)
+
+
+def _diagnose(args: argparse.Namespace) -> int:
     from agentwin.eval.harness import BUDGETS, measure_texts, print_report, summarise
 
     try:

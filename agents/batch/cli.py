@@ -23,12 +23,14 @@ divided by the workers).
 Results go to `--out` (default stdout), one JSON line per task as it finishes: id, ok, stopped,
 answer, steps, encodes, forwards by kind, store hits, the store's hit/miss counters for that task,
 error, attempts, worker, seconds. A failed task is retried once on the next free worker; the rest
-go on. A line of the task file that cannot be used gives a failed record saying what to fix.
+go on. A line of the task file that cannot be used gives a failed record saying what to fix, and so
+does a document or video task whose file is missing; both before any worker loads a model.
 Ctrl-C stops the workers; the results written so far stay in --out, and `--resume` runs only the
 tasks without a finished result there.
 
 Exit status: 0 when every task answered, 1 when some did not (failed or ran out of steps), 2 when
-the task file or the model cannot be used, 130 when interrupted.
+the task file or the model cannot be used or no task in the file can run (their failed records are
+written all the same), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from agents.batch import BatchError, TaskFileError, read_tasks, run_batch
+    from agents.batch import BatchError, TaskFileError, missing_sources, read_tasks, run_batch
 
     problem = check_args(args)
     if problem:
@@ -142,9 +144,19 @@ def run(args: argparse.Namespace) -> int:
     except TaskFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    tasks, missing = missing_sources(tasks, args.tasks)
+    bad = sorted(bad + missing, key=lambda b: b["line"])
     out, done_ids = _open_out(args)
     tasks = [t for t in tasks if t.id not in done_ids]
     bad = [b for b in bad if b["id"] not in done_ids]
+    if bad and not tasks:  # bad input only: refused before any worker loads a model
+        for record in bad:
+            out.write(json.dumps(record, default=repr) + "\n")
+        if out is not sys.stdout:
+            out.close()
+        print(f"error: no task in {args.tasks} can run ({len(bad)} refused); first: {bad[0]['error']}",
+              file=sys.stderr)
+        return 2
     records: list[dict[str, Any]] = []
     news = [""]
     bar = tqdm(total=len(tasks) + len(bad), desc="tasks", unit="task", disable=args.quiet, file=sys.stderr,

@@ -55,8 +55,8 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _positive_number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise TaskError(f'"{what}" must be a positive number, got {value!r}')
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise TaskError(f'"{what}" must be a positive, finite number, got {value!r}')
     return float(value)
 
 
@@ -227,6 +227,22 @@ def read_tasks(path: str | os.PathLike) -> tuple[list[Task], list[dict[str, Any]
                             "write one task object per line (JSON Lines), not a pretty-printed document")
     return tasks, bad
 
+
+
+def missing_sources(tasks: list[Task], path: str | os.PathLike) -> tuple[list[Task], list[dict[str, Any]]]:
+    """(tasks whose document or video is a file here, failed records for the others), so that a
+    missing file is refused before a worker loads a model. URLs (web tasks, and sources with a
+    scheme) are left to the environment: a server may be down now and up when the task runs."""
+    kept, bad = [], []
+    for task in tasks:
+        if task.kind == "web" or "://" in task.source or Path(task.source).is_file():
+            kept.append(task)
+            continue
+        what = "a PDF" if task.kind == "doc" else "a video file"
+        why = "no such file" if not Path(task.source).exists() else "not a file"
+        bad.append(failed_record(task.id, f"{path}:{task.line}: {task.source}: {why}; give the path of {what}",
+                                 line=task.line, kind=task.kind, source=task.source))
+    return kept, bad
 
 
 def task_to_json(task: Task) -> dict[str, Any]:

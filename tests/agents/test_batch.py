@@ -200,7 +200,7 @@ def test_a_task_file_that_cannot_be_used_at_all(tmp_path, content, message):
     ({"kind": "doc", "source": "a.pdf", "question": "x", "rank": "low"}, '"rank" must be "budget", a positive integer or "exact"'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "patch": "all"}, '"patch" must be one of origin'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "script": []}, '"script" must be a non-empty list'),
-    ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive number'),
+    ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive, finite number'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "fps": 2}, "unknown field(s) 'fps' for a doc task"),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 2}, '"patch_bytes" must be a fraction'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 0.1, "rank": 8},
@@ -383,3 +383,57 @@ def test_workers_share_canonical_kv_through_redis(workload, reference, server):
                {r["id"]: r["answer"] for r in reference.records if r["id"] != "missing"}
     remote = summarize(second.records)["store"]
     assert remote["remote_hits"] >= DISTINCT_CHUNKS and summarize(first.records)["store"]["remote_hits"] == 0
+
+
+# ---- bad input is refused before a model loads -------------------------------------------------
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model fails the test (the batch's workers load theirs with from_pretrained)."""
+    from agentwin import KameraModel
+
+    def load(*args, **kwargs):
+        raise AssertionError("a worker loaded a model although no task could run")
+
+    monkeypatch.setattr(KameraModel, "from_pretrained", staticmethod(load))
+
+
+@pytest.mark.parametrize("lines, first", [
+    ([{"id": "a", "kind": "doc", "source": "a.pdf", "question": "  "}], '"question" (or "task") is missing or empty'),
+    ([{"id": "a", "kind": "doc", "source": "gone.pdf", "question": "Who?"}], "gone.pdf: no such file"),
+    ([{"id": "a", "kind": "video", "source": "a.mp4", "question": "What?", "fps": float("inf")}],
+     '"fps" must be a positive, finite number'),
+    (['{"id": "a", "kind": "video", "source": "a.mp4", "question": "What?", "segment_seconds": Infinity}',
+      {"id": "b", "kind": "web", "source": "http://127.0.0.1:1/", "task": ""}],
+     '"segment_seconds" must be a positive, finite number'),
+])
+def test_a_task_file_where_no_task_can_run_is_exit_2_before_a_model_loads(lines, first, tmp_path, capsys,
+                                                                           no_model_load):
+    from tools.cli import main
+
+    for name in ("a.pdf", "a.mp4"):
+        (tmp_path / name).write_bytes(b"")
+    path = _write_lines(tmp_path / "t.jsonl", lines)
+    out = tmp_path / "r.jsonl"
+    assert main(["batch", str(path), "--model", MODEL, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: no task in {path} can run ({len(lines)} refused)")
+    assert first in err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == len(lines) and all(r["attempts"] == 0 and first in records[0]["error"] for r in records)
+
+
+def test_a_task_whose_file_is_missing_fails_before_any_worker_starts(tmp_path, workload, capsys):
+    """A missing document or video is a failed result line (attempts 0) like any bad line; the
+    other tasks run."""
+    from tools.cli import main
+
+    path = _cli_tasks(tmp_path, workload, extra=[{"id": "gone", "kind": "doc", "source": "gone.pdf", "question": "x"},
+                                                 {"id": "clip", "kind": "video", "source": "clip.mp4", "question": "x"}])
+    out = tmp_path / "r.jsonl"
+    assert main(["batch", str(path), "--model", MODEL, "--out", str(out), "--threads", "1", "--quiet"]) == 1
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for tid, name in (("gone", "gone.pdf"), ("clip", "clip.mp4")):
+        assert records[tid]["attempts"] == 0 and records[tid]["worker"] is None
+        assert f"{tmp_path / name}: no such file" in records[tid]["error"]
+    assert all(records[f"t0{i}"]["ok"] for i in range(4))

@@ -16,7 +16,7 @@ N or "exact"), patch (origin-akin | origin-similar | origin | fresh | none), pat
 rank "budget"), max_kl (a fidelity target, `agentwin.Window`), max_chars (doc), allow_hosts
 (web), segment_seconds and fps (video), and script: a list of actions (dicts or JSON strings)
 replayed by `agents.model.ScriptedDecider` instead of the model's own decisions; the model still
-encodes every observation, so encodes, forwards and store hits are real.
+encodes every observation, so encodes, forwards and store counts are real.
 
 A `Worker` loads its model once, opens the store once (`WorkerConfig.store`: None for RAM only, a
 directory, or a redis:// URL) and runs tasks one after another, each on a fresh window over that

@@ -21,8 +21,16 @@ every worker keeps its own RAM store. `--threads` torch threads per worker (defa
 divided by the workers).
 
 Results go to `--out` (default stdout), one JSON line per task as it finishes: id, ok, stopped,
-answer, steps, encodes, forwards by kind, store hits, the store's hit/miss counters for that task,
-error, attempts, worker, seconds. A failed task is retried once on the next free worker; the rest
+answer, steps, error, attempts, worker, seconds, forwards by kind, and two counts of the store:
+- `encodes` / `chunks_from_store`: of the chunks the task appended, those whose canonical KV was
+  computed (an encode forward) / read from the store instead (another task, or another run,
+  encoded it); each appended chunk is one or the other.
+- `store_lookups`: the store's own counters over the task (hits, misses, and the Redis tier's
+  remote_hits, remote_misses): every lookup of any entry (canonical KV, patches, page pixels,
+  vision-tower outputs), the task's own writes read back included, so its hits can exceed
+  `chunks_from_store` even on an empty store.
+`--quiet` prints no progress: no task bar, and the workers load their model without its
+progress bars. A failed task is retried once on the next free worker; the rest
 go on. A line of the task file that cannot be used gives a failed record saying what to fix, and so
 does a document or video task whose file is missing; both before any worker loads a model.
 Ctrl-C stops the workers; the results written so far stay in --out, and `--resume` runs only the
@@ -56,7 +64,7 @@ def worker_config(args: argparse.Namespace) -> Any:
     """The `WorkerConfig` the options describe."""
     from agents.batch import WorkerConfig
 
-    return WorkerConfig(model=args.model, store=args.store, threads=default_threads(args),
+    return WorkerConfig(model=args.model, store=args.store, threads=default_threads(args), quiet=bool(args.quiet),
                         budget_tokens=args.budget_tokens, max_steps=args.max_steps,
                         max_new_tokens=args.max_new_tokens, rank=args.rank, patch=args.patch,
                         patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
@@ -119,7 +127,8 @@ def report(outcome_records: list[dict[str, Any]], wall_s: float, out_name: str) 
     failed = [r for r in outcome_records if r.get("error")]
     print(f"\n{total['tasks']} tasks: {total['ok']} answered, {total['failed']} failed, "
           f"{total['tasks'] - total['ok'] - total['failed']} without an answer; "
-          f"{total['encodes']} encodes, {total['store_hits']} store hits; {wall_s:.1f} s; results in {out_name}",
+          f"{total['encodes']} encodes, {total['chunks_from_store']} chunks read from the store instead; "
+          f"{wall_s:.1f} s; results in {out_name}",
           file=sys.stderr)
     for r in failed[:10]:
         print(f"  {r['id']}: {r['error']}", file=sys.stderr)

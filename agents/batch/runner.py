@@ -156,17 +156,20 @@ def _failure_text(failures: list[tuple[int, str]]) -> str:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over result records: tasks, ok, failed, encodes, forwards by kind, store hits."""
+    """Totals over result records, under the records' own names: tasks, ok, failed, encodes,
+    chunks_from_store, forwards by kind, store_lookups (see `agents.batch` for what each counts)."""
     forwards: dict[str, int] = {}
-    store: dict[str, int] = {}
+    lookups: dict[str, int] = {}
     for r in records:
         for k, v in (r.get("forwards") or {}).items():
             forwards[k] = forwards.get(k, 0) + v
-        for k, v in (r.get("store") or {}).items():
-            store[k] = store.get(k, 0) + v
+        for k, v in (r.get("store_lookups") or {}).items():
+            lookups[k] = lookups.get(k, 0) + v
+    chunks_from_store = sum(r.get("chunks_from_store", 0) for r in records)
     return {"tasks": len(records), "ok": sum(1 for r in records if r.get("ok")),
             "failed": sum(1 for r in records if r.get("error")),
-            "encodes": sum(r.get("encodes", 0) for r in records),
-            "store_hits": sum(r.get("store_hits", 0) for r in records),
-            "forwards": forwards, "store": store}
+            "encodes": sum(r.get("encodes", 0) for r in records), "chunks_from_store": chunks_from_store,
+            "forwards": forwards, "store_lookups": lookups,
+            # The former names of the same two totals, still read by agentwin.eval.fleet_bench.
+            "store_hits": chunks_from_store, "store": lookups}
 

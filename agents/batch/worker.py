@@ -22,7 +22,8 @@ class WorkerConfig:
     store: None (RAM only), a directory, or a redis:// URL, opened once per worker. private:
     each worker gets a store of its own instead (a subfolder `worker-N` of a directory, or tenant
     `worker-N` on Redis; RAM stores are private anyway). threads: torch threads per worker (None:
-    leave torch's default). budget_tokens / max_steps / max_new_tokens / rank / patch /
+    leave torch's default). quiet: the model loads without progress bars (other lines of the load,
+    such as warnings, are kept). budget_tokens / max_steps / max_new_tokens / rank / patch /
     patch_bytes / max_kl: defaults for tasks that do not set them (None budget / max_steps: the
     kind's default; None patch_bytes / max_kl: the window's)."""
 
@@ -31,6 +32,7 @@ class WorkerConfig:
     private: bool = False
     tenant: str = ""
     threads: int | None = None
+    quiet: bool = False
     budget_tokens: int | None = None
     max_steps: int | None = None
     max_new_tokens: int = 48
@@ -92,7 +94,12 @@ class Worker:
         t0 = time.perf_counter()
         location, tenant = worker_store_location(config, worker_id)
         try:
-            self.km = KameraModel.from_pretrained(config.model)
+            if config.quiet:
+                from agents.console import load_model
+
+                self.km = load_model(config.model, progress=False)
+            else:
+                self.km = KameraModel.from_pretrained(config.model)
         except (ValueError, OSError) as err:
             torch.set_num_threads(self._threads_before)
             raise BatchError(f"cannot load model {config.model!r}: {err}") from err
@@ -135,7 +142,7 @@ class Worker:
             error = summary.stopped[len("error: "):] if summary.stopped.startswith("error") else None
             record.update(_summary_fields(summary, stats), ok=summary.stopped == "answer", error=error)
         after = _store_counters(self.store)
-        record["store"] = {k: after[k] - before.get(k, 0) for k in after}
+        record["store_lookups"] = {k: after[k] - before.get(k, 0) for k in after}
         record.update(attempts=attempt, worker=self.worker_id, host=socket.gethostname(),
                       seconds=round(time.perf_counter() - t0, 4))
         return _ordered(record)
@@ -184,7 +191,8 @@ def make_env(task: Task, km: Any) -> Any:
                     fps=task.options.get("fps", 2.0))
 
 
-_FIRST = ("id", "ok", "answer", "stopped", "steps", "error", "encodes", "store_hits", "attempts", "worker", "seconds")
+_FIRST = ("id", "ok", "answer", "stopped", "steps", "error", "encodes", "chunks_from_store", "attempts", "worker",
+          "seconds")
 
 
 def _ordered(record: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +205,7 @@ def _summary_fields(summary: Any, stats: Any) -> dict[str, Any]:
     return {"stopped": summary.stopped, "answer": summary.answer, "steps": summary.steps,
             "encodes": forwards.get("encode", 0), "forwards": forwards,
             "forward_tokens": {k: int(v) for k, v in stats.forward_tokens.items() if v},
-            "store_hits": summary.store_hits, "content_hits": summary.content_hits,
+            "chunks_from_store": summary.store_hits, "content_hits": summary.content_hits,
             "evictions": summary.evictions, "recalls": summary.recalls,
             "encoder_calls": summary.encoder_calls, "encoder_hits": summary.encoder_hits,
             "malformed_replies": summary.malformed_replies, "refused_actions": summary.refused_actions}

@@ -92,11 +92,56 @@ def test_one_worker_runs_every_task_and_retries_a_failure_once(reference):
     # (tasks 0-2 read each PDF's pages, 6-8 search each PDF once); the others read the store.
     encodes = [records[f"t{i:02d}"]["encodes"] for i in range(12)]
     assert encodes == [3, 3, 3, 0, 0, 0, 1, 1, 1, 0, 0, 0] and sum(encodes) == DISTINCT_CHUNKS
-    assert all(records[f"t{i:02d}"]["store_hits"] > 0 for i in range(3, 12))
+    assert all(records[f"t{i:02d}"]["chunks_from_store"] > 0 for i in range(3, 12))
     assert all(records[f"t{i:02d}"]["recalls"] >= 1 for i in (0, 1, 2, 3, 9))  # pages seen again came back
     missing = records["missing"]
     assert missing["attempts"] == 2 and missing["error"].endswith("no such file; give the path of a PDF")
     assert summarize(reference.records)["failed"] == 1
+
+
+def test_result_lines_name_what_each_store_count_counts(reference):
+    """chunks_from_store: chunks whose canonical KV a task read from the store instead of encoding
+    (so encodes + chunks_from_store is the same for two tasks on the same pages, whoever came
+    first); store_lookups: the store's own counters over the task, every entry kind, its own
+    writes read back included. The names that read alike ("store_hits" beside "store") are gone."""
+    records = _by_id(reference.records)
+    for i in range(12):
+        r = records[f"t{i:02d}"]
+        assert "store_hits" not in r and "store" not in r
+        assert set(r["store_lookups"]) == {"hits", "misses", "remote_hits", "remote_misses"}
+        assert r["store_lookups"]["hits"] >= r["chunks_from_store"] and r["store_lookups"]["misses"] >= r["encodes"]
+    first, again = records["t00"], records["t09"]  # the same PDF and the same moves
+    assert first["chunks_from_store"] == 0 and first["store_lookups"]["hits"] > 0  # its own pages read back
+    assert again["encodes"] == 0 and again["chunks_from_store"] == first["encodes"] > 0
+    total = summarize(reference.records)
+    assert total["chunks_from_store"] == sum(r.get("chunks_from_store", 0) for r in reference.records)
+    assert total["store_lookups"]["hits"] == sum(r["store_lookups"]["hits"] for r in reference.records)
+
+
+def test_quiet_batch_prints_no_weight_loading_bars(tmp_path, workload, monkeypatch, capfd):
+    """--quiet: the workers' model loading writes no progress bar (transformers' "Loading weights"
+    bars, as SmolLM2 shows them); other lines of the load, such as warnings, stay."""
+    import sys
+
+    from agentwin import KameraModel
+    from tools.cli import main
+
+    real = KameraModel.from_pretrained
+
+    def loading(name, *args, **kwargs):
+        sys.stderr.write("Loading weights:   0%|          | 0/272 [00:00<?, ?it/s]\r"
+                         "Loading weights: 100%|##########| 272/272 [00:00<00:00, 7549.65it/s]\n")
+        sys.stderr.write("UserWarning: something worth seeing\n")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(KameraModel, "from_pretrained", staticmethod(loading))
+    path = _cli_tasks(tmp_path, workload)
+    args = ["batch", str(path), "--model", MODEL, "--threads", "1", "--out", str(tmp_path / "r.jsonl")]
+    assert main(args + ["--quiet"]) == 0
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "something worth seeing" in err
+    assert main(args) == 0  # without --quiet the load shows its progress
+    assert "Loading weights" in capfd.readouterr().err
 
 
 @pytest.mark.slow
@@ -116,7 +161,7 @@ def test_two_processes_match_one_worker_and_a_shared_store_saves_encodes(workloa
     print(f"encodes: one worker {distinct}, shared {enc_shared}, private {enc_private}")
     assert distinct <= enc_shared <= enc_private / 2 + distinct
     assert enc_private <= 2 * distinct  # a private store still encodes each chunk once per worker
-    assert summarize(shared.records)["store_hits"] > summarize(private.records)["store_hits"]
+    assert summarize(shared.records)["chunks_from_store"] > summarize(private.records)["chunks_from_store"]
 
 
 @pytest.mark.slow
@@ -381,8 +426,8 @@ def test_workers_share_canonical_kv_through_redis(workload, reference, server):
     for outcome in (first, second):
         assert {r["id"]: r["answer"] for r in outcome.records} == \
                {r["id"]: r["answer"] for r in reference.records if r["id"] != "missing"}
-    remote = summarize(second.records)["store"]
-    assert remote["remote_hits"] >= DISTINCT_CHUNKS and summarize(first.records)["store"]["remote_hits"] == 0
+    remote = summarize(second.records)["store_lookups"]
+    assert remote["remote_hits"] >= DISTINCT_CHUNKS and summarize(first.records)["store_lookups"]["remote_hits"] == 0
 
 
 # ---- bad input is refused before a model loads -------------------------------------------------

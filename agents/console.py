@@ -67,33 +67,62 @@ def model_kind(name: str) -> tuple[bool | None, bool]:
     return None, False
 
 
+# The step table's wrapped columns: (title, width, alignment); notes follow, unwrapped.
+_COLUMNS = (("step", 4, ">"), ("action", 34, "<"), ("observation", 30, "<"), ("window", 8, "<"), ("tokens", 6, ">"))
+
+
 def steps_table(records: list) -> str:
-    """One line per step: what was decided, what the window did."""
-    lines = [f"  {'step':>4}  {'action':<34} {'observation':<26} {'window':<8} {'tokens':>6}  notes"]
+    """One row per step: what was decided, what it showed, what the window did, and notes (fits,
+    evictions, recalls, store hits, KL, the step's error). Nothing is cut: an action or an
+    observation label longer than its column goes on over the lines below, in the same column,
+    and the notes (the error whole) end the row's first line."""
+    lines = [_row([title for title, _, _ in _COLUMNS], "notes")]
     for r in records:
         action = "(start)" if r.step == 0 else json.dumps(r.action) if r.action else "(malformed)"
-        notes = []
-        if getattr(r, "fitted", None):
-            notes.append(r.fitted)
-        if r.evicted:
-            notes.append(f"evicted {getattr(r, 'evicted_chunks', len(r.evicted))} chunks of "
-                         + ", ".join(e.split(" (")[0] for e in r.evicted))
-        if r.recalled:
-            notes.append(f"recalled {getattr(r, 'recalled_chunks', len(r.recalled))} chunks of "
-                         + ", ".join(e.split(" (")[0] for e in r.recalled)
-                         + (" (closest to the task)" if getattr(r, "kept", None) else ""))
-        if getattr(r, "store_hits", 0):
-            notes.append(f"{r.store_hits} store hits")
-        if getattr(r, "encoder_runs", 0) or getattr(r, "encoder_reused", 0):
-            notes.append(f"vision encoder {r.encoder_runs} runs, {r.encoder_reused} read back")
-        if r.kl is not None:
-            notes.append(f"KL {r.kl:.1e}")
-        if r.error:
-            notes.append("error: " + (r.error if len(r.error) < 60 else r.error[:57] + "..."))
-        action = action if len(action) <= 34 else action[:31] + "..."
-        lines.append(f"  {r.step:>4}  {action:<34} {(r.observation or '')[:26]:<26} {r.event or '':<8} "
-                     f"{r.window_tokens:>6}  {'; '.join(notes)}")
+        cells = [_wrap(text, width) for text, (_, width, _) in
+                 zip((str(r.step), action, r.observation or "", r.event or "", str(r.window_tokens)), _COLUMNS)]
+        for i in range(max(len(c) for c in cells)):
+            lines.append(_row([c[i] if i < len(c) else "" for c in cells], _notes(r) if i == 0 else ""))
     return "\n".join(lines)
+
+
+def _row(cells: list[str], notes: str) -> str:
+    step, *rest = (f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS))
+    return f"  {step}  {' '.join(rest)}  {notes}".rstrip()
+
+
+def _notes(r: Any) -> str:
+    notes = []
+    if getattr(r, "fitted", None):
+        notes.append(r.fitted)
+    if r.evicted:
+        notes.append(f"evicted {getattr(r, 'evicted_chunks', len(r.evicted))} chunks of "
+                     + ", ".join(e.split(" (")[0] for e in r.evicted))
+    if r.recalled:
+        notes.append(f"recalled {getattr(r, 'recalled_chunks', len(r.recalled))} chunks of "
+                     + ", ".join(e.split(" (")[0] for e in r.recalled)
+                     + (" (closest to the task)" if getattr(r, "kept", None) else ""))
+    if getattr(r, "store_hits", 0):
+        notes.append(f"{r.store_hits} chunks read from the store")
+    if getattr(r, "encoder_runs", 0) or getattr(r, "encoder_reused", 0):
+        notes.append(f"vision encoder {r.encoder_runs} runs, {r.encoder_reused} read back")
+    if r.kl is not None:
+        notes.append(f"KL {r.kl:.1e}")
+    if r.error:
+        notes.append("error: " + " ".join(r.error.splitlines()))
+    return "; ".join(notes)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` in pieces of at most `width` characters that join back to `text`: each broken
+    before a space, or after one of `/,&?`, in its second half where there is one, else at the
+    width (a URL has no spaces)."""
+    pieces = []
+    while len(text) > width:
+        cut = next((i for i in range(width, width // 2, -1) if text[i] == " " or text[i - 1] in "/,&?"), width)
+        pieces.append(text[:cut])
+        text = text[cut:]
+    return pieces + [text]
 
 
 VLM_HINT = ("pass a vision-language model with --model: a local path or Hugging Face id of a Qwen2-VL, "

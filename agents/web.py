@@ -22,9 +22,11 @@ Only http(s) pages on allowed hosts are visited: the start URL's host (any port)
 link to one; a navigation that a click, a form, a script or a redirect starts towards one is stopped
 by request interception, and the page stays where it was. Requests for other hosts' images, scripts and styles
 are blocked too (the agent sees only allowed content and the browser stays offline). Page loads go
-through Playwright's request interception, so an unreachable URL or a timeout leaves the page where
-it was and gives an `ActionError` saying why; `EnvError` when the start URL cannot be loaded or the
-browser cannot start.
+through Playwright's request interception, so an unreachable URL, a timeout or a page the server
+answers with an HTTP error status (4xx, 5xx) leaves the page where it was and gives an `ActionError`
+saying why, which the loop records as the step's error; a URL that cannot be parsed is an
+`ActionError` too. The start page is the exception: an error status there is read as a page (it is
+all there is to read). `EnvError` when the start URL cannot be loaded or the browser cannot start.
 
 Screenshots are deterministic for the same page state (fixed viewport and scale, animations
 stopped, caret hidden, focus rings hidden, the mouse parked in a corner), so a revisited page gives
@@ -59,6 +61,20 @@ CHROMIUM_ARGS = (
     "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic",
     "--hide-scrollbars", "--font-render-hinting=none",
 )
+
+
+def _status_phrase(status: int, text: str) -> str:
+    """The reason phrase of an HTTP status: the server's, else the standard one."""
+    from http import HTTPStatus
+
+    if text:
+        return text
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "error"
+
+
 class BrowserEnv:
     """A headless Chromium tab on allowed hosts (see the module docstring).
 
@@ -90,6 +106,7 @@ class BrowserEnv:
         self._dialogs: list[str] = []
         self._status: int | None = None
         self._last_url: str | None = None
+        self._starting = False  # loading the start page: an HTTP error status is still a page to read
 
     # the allow-list -----------------------------------------------------------------------------
     def allowed(self, url: str) -> bool:
@@ -177,6 +194,13 @@ class BrowserEnv:
                 self._refused.append(target)
                 route.fulfill(status=204, body="")
                 return
+        if response.status >= 400 and not self._starting:
+            # The page stays where it was and the action fails, saying so: a model shown the error
+            # page as a new observation (with no error) asks for it again.
+            self._failed.append((request.url, f"the server answered HTTP {response.status} "
+                                              f"({_status_phrase(response.status, response.status_text)})"))
+            route.fulfill(status=204, body="")
+            return
         self._status = response.status
         route.fulfill(response=response)
 
@@ -188,11 +212,14 @@ class BrowserEnv:
         """Start the browser (first call) and load the start URL; `EnvError` when it cannot load."""
         if self._page is None:
             self._start()
+        self._starting = True
         try:
             self._navigate(self.start_url)
         except (ActionError, EnvError) as e:
             self.close()
             raise EnvError(f"the start page could not be loaded: {e}") from None
+        finally:
+            self._starting = False
         return self._observe()
 
     def close(self) -> None:
@@ -305,7 +332,13 @@ class BrowserEnv:
         url = action.get("url")
         if not isinstance(url, str) or not url.strip():
             raise ActionError(f'goto needs "url", e.g. {{"action": "goto", "url": "{self._example_url()}"}}')
-        self._navigate(urljoin(self._page.url, url.strip()))
+        try:
+            target = urljoin(self._page.url, url.strip())
+            urlsplit(target).port  # noqa: B018 (raises ValueError for a port out of range)
+        except ValueError as e:
+            raise ActionError(f"{url.strip()!r} is not a valid URL ({e}); give a path on this site, such as "
+                              f"{self._example_url()!r}, or an http(s) URL on an allowed host") from None
+        self._navigate(target)
 
     def _example_url(self) -> str:
         """A URL to show in an example: a link of the current page on an allowed host (as the

@@ -35,6 +35,8 @@ PAGES = {
     "/jsnav.html": """<!doctype html><html><head><title>Script page</title></head><body>
       <button onclick="location.href='http://elsewhere.test/'">Leave by script</button>
       <button onclick="location.href='/b.html'">Stay by script</button></body></html>""",
+    "/dead.html": """<!doctype html><html><head><title>Dead link</title></head><body>
+      <a href="/gone.html">Gone</a></body></html>""",
     "/long.html": "<!doctype html><html><head><title>Long</title></head><body>"
     + "".join(f'<p style="height:200px">Paragraph {i}</p>' for i in range(30)) + "</body></html>",
 }
@@ -50,6 +52,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if url.path == "/slow.html":
             time.sleep(3)
+        if url.path == "/broken.html":
+            self.send_error(500)
+            return
         if url.path == "/search":
             q = parse_qs(url.query).get("q", [""])[0]
             body = f"<html><head><title>Search</title></head><body><p>Results for {q}</p></body></html>"
@@ -177,10 +182,43 @@ def test_redirect_to_another_host_is_refused(env, site):
     assert env.act({"action": "goto", "url": "/b.html"}).meta["url"] == f"{site}/b.html"
 
 
-def test_missing_page_shows_its_status_and_slow_page_times_out(env, site):
+def test_a_page_answered_with_an_http_error_is_a_failed_navigation_and_the_page_stays(env, site):
     env.reset()
-    missing = env.act({"action": "goto", "url": "/missing.html"})
-    assert missing.meta["status"] == 404 and "HTTP status: 404" in missing.text
+    with pytest.raises(ActionError, match=rf"could not load {site}/missing\.html: the server answered HTTP 404 "
+                                          rf"\(Not Found\); the page stayed at {site}/a\.html"):
+        env.act({"action": "goto", "url": "/missing.html"})
+    with pytest.raises(ActionError, match=r"broken\.html: the server answered HTTP 500 \(Internal Server Error\)"):
+        env.act({"action": "goto", "url": "/broken.html"})
+    b = env.act({"action": "goto", "url": "/b.html"})
+    assert b.meta["status"] == 200 and "HTTP status" not in b.text
+    dead = env.act({"action": "goto", "url": "/dead.html"})
+    with pytest.raises(ActionError, match=rf"gone\.html: the server answered HTTP 404 .*stayed at {site}/dead\.html"):
+        env.act({"action": "click", "element": _element(dead, r"link 'Gone'")})  # a link to a missing page
+
+
+def test_a_start_page_with_an_error_status_is_still_read(site):
+    """`check_reachable` lets a start page answered with 404 through: the agent reads what it says."""
+    browser = BrowserEnv(f"{site}/missing.html", viewport=VIEWPORT, timeout_s=10, screenshot=False)
+    try:
+        obs = browser.reset()
+        assert obs.meta["status"] == 404 and "HTTP status: 404" in obs.text
+        with pytest.raises(ActionError, match="HTTP 404"):
+            browser.act({"action": "goto", "url": "/also-missing.html"})
+    finally:
+        browser.close()
+
+
+@pytest.mark.parametrize("url, message", [("http://[::1/x", "Invalid IPv6 URL"),
+                                          ("http://127.0.0.1:99999/", "Port out of range")])
+def test_a_url_that_cannot_be_parsed_is_an_action_error(env, site, url, message):
+    env.reset()
+    with pytest.raises(ActionError, match=rf"{re.escape(repr(url))} is not a valid URL \({message}"):
+        env.act({"action": "goto", "url": url})
+    assert env.act({"action": "goto", "url": "/b.html"}).meta["url"] == f"{site}/b.html"
+
+
+def test_slow_page_times_out(env, site):
+    env.reset()
     env.timeout_s = 1.0  # page loads are fetched with the timeout current at the time
     try:
         with pytest.raises(ActionError, match=r"could not load .*/slow\.html: timed out"):
@@ -257,3 +295,29 @@ def test_goto_without_a_url_suggests_a_link_of_this_page(env, site):
     env.act({"action": "goto", "url": "/long.html"})  # no links: the page itself
     with pytest.raises(ActionError, match=r'"url": "/long\.html"'):
         env.act({"action": "goto", "url": " "})
+
+
+def test_a_failed_navigation_is_the_steps_error_in_the_record_and_the_table(site):
+    """What the agent loop makes of a missing page: the step's record holds the error (the page
+    stays, so nothing is observed), the model is told, and the printed table shows it whole."""
+    from agents.console import steps_table
+    from agents.loop import AgentLoop
+    from agents.model import ScriptedDecider
+    from agentwin import KameraModel, Window
+
+    window = Window(KameraModel.from_pretrained("tiny-llama-gqa"), budget_tokens=2048, rank=None)
+    script = ScriptedDecider([{"action": "goto", "url": "/missing.html"}, {"action": "goto", "url": "/b.html"},
+                              {"action": "answer", "text": "Tobias"}])
+    browser = BrowserEnv(f"{site}/a.html", viewport=VIEWPORT, timeout_s=10, screenshot=False)
+    try:
+        result = AgentLoop(browser, window, script, "Who keeps the lighthouse?", max_steps=4).run()
+    finally:
+        browser.close()
+    failed, after = result.records[1], result.records[2]
+    assert failed.error_kind == "refused" and failed.observation is None and failed.event is None
+    assert failed.error == (f"could not load {site}/missing.html: the server answered HTTP 404 (Not Found); "
+                            f"the page stayed at {site}/a.html")
+    assert f"That action failed: {failed.error}" in script.prompts[1]  # the model is told at the next step
+    assert after.error is None and after.observation == f"{site}/b.html"
+    assert result.summary.stopped == "answer" and result.summary.refused_actions == 1
+    assert f"error: {failed.error}" in steps_table(result.records)

@@ -2,26 +2,32 @@
 
 Tiers (accelerator, host RAM, disk as safetensors + JSON sidecars, and a remote Redis tier shared
 across machines) with byte budgets, LRU, pinning, checksums, model/tenant isolation (and optional
-HMAC-signed remote entries) and multi-process sharing. `open_store(location)` opens one from None,
-a path or a redis:// URL. See README.md.
+HMAC-signed remote entries), multi-process sharing, and leases so that an entry is computed once
+by the processes sharing a store (`ChunkStore.get_or_compute`). `open_store(location)` opens one
+from None, a path or a redis:// URL (one server, or a Redis Cluster). See README.md.
 Imports only torch, safetensors, the standard library and kamera_core (and the redis client, when a
 RedisTier is created).
 """
 
 from agentwin.store.encoder import EncoderCache
 from agentwin.store.keys import ChunkKey, Digest, patch_key
+from agentwin.store.lease import Lease, Resolved
 from agentwin.store.remote import RedisTier, RemoteStats, RemoteWarning
 from agentwin.store.serial import kv_to_tensors, patch_to_tensors, tensors_to_kv, tensors_to_patch
 from agentwin.store.store import ChunkStore, StoreStats, open_store
+from agentwin.store.tiers import CorruptEntryWarning
 
 __all__ = [
     "ChunkKey",
     "ChunkStore",
+    "CorruptEntryWarning",
     "Digest",
     "EncoderCache",
+    "Lease",
     "RedisTier",
     "RemoteStats",
     "RemoteWarning",
+    "Resolved",
     "StoreStats",
     "kv_to_tensors",
     "open_store",

@@ -7,16 +7,20 @@ Files in `root` (flat):
   meta, created, last_used). The sidecar's mtime is bumped on every disk hit (the persisted LRU
   clock); the `last_used` field is the time the sidecar was written.
 - `.lock`: the flock file. `.tmp.*`: writes in progress (or left by a crashed writer).
+- `<digest>.lease`: the lease of a worker computing that entry (`try_lease`): JSON with its token
+  and expiry time (`expires_at`, seconds since the epoch; also the file's mtime). A lease past its
+  expiry is anyone's to take over; files a minute past it are collected by `refresh`.
 
 Crash-safety rule: every file is written to a temp file in `root`, flushed and fsynced, then
 os.replace'd into place and the directory fsynced; the data file is committed before the sidecar
 that names it, and a sidecar is deleted before its data file. So at any instant every sidecar
 names a complete data file, and anything else (temp files, data files no sidecar names) is
 garbage from a dead writer, removed under the exclusive lock. A data file whose size or sha256
-does not match its sidecar is deleted on load and reported as a miss.
+does not match its sidecar is deleted on load and reported as a miss, with one
+`CorruptEntryWarning` per entry.
 
-Locking: writes, deletes and garbage collection hold `flock(LOCK_EX)` on `.lock`; loads hold
-`LOCK_SH`, so a reader never sees a half-replaced entry.
+Locking: writes, deletes, garbage collection and lease changes hold `flock(LOCK_EX)` on `.lock`;
+loads hold `LOCK_SH`, so a reader never sees a half-replaced entry.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import mmap
 import os
 import re
 import secrets
+import socket
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,11 +44,16 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from agentwin.store.tiers import CorruptEntryWarning
+
 FORMAT = "agentwin.store/1"
+LEASE_FORMAT = "agentwin.store.lease/1"
+LEASE_GC_S = 60.0  # lease files this long past their expiry are deleted by refresh
 LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp."
 _SIDECAR = re.compile(r"([0-9a-f]{64})\.json")
 _DATA = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{16})\.safetensors")
+_LEASE = re.compile(r"([0-9a-f]{64})\.lease")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -106,6 +117,7 @@ class DiskTier:
         self.index: OrderedDict[str, Record] = OrderedDict()
         self.bytes = 0
         self.evictions = self.corrupt_dropped = 0
+        self._warned: set[str] = set()  # digests a CorruptEntryWarning was issued for
         with self.locked(exclusive=True):
             self.refresh()
 
@@ -169,6 +181,14 @@ class DiskTier:
             raise
         self._fsync_dir()
 
+    def _corrupt(self, digest: str, why: str) -> None:
+        """Counts a corrupt entry (already deleted) and warns once per digest."""
+        self.corrupt_dropped += 1
+        if digest not in self._warned:
+            self._warned.add(digest)
+            warnings.warn(f"disk tier {self.root}: entry {digest} failed verification ({why}); deleted and read "
+                          "as a miss, so it is recomputed", CorruptEntryWarning, stacklevel=4)
+
     def _drop(self, digest: str) -> None:
         """Deletes the sidecar (the commit record) first, then every data file of `digest`."""
         self._require_ex()
@@ -227,7 +247,7 @@ class DiskTier:
                 status, rec = self._read_sidecar(digest)
             if rec is None or rec.file not in names:  # malformed, or its data file is gone
                 (self.root / name).unlink(missing_ok=True)
-                self.corrupt_dropped += 1
+                self._corrupt(digest, "malformed sidecar" if rec is None else "data file missing")
                 changed = True
                 continue
             seen[digest] = rec
@@ -241,10 +261,18 @@ class DiskTier:
         for _, digest in sorted(new):
             self._index(digest, seen[digest])
         wanted = {r.file for r in seen.values()}
+        stale_before = time.time() - LEASE_GC_S
         for name in names:
             if name.startswith(TMP_PREFIX) or (_DATA.fullmatch(name) and name not in wanted):
                 (self.root / name).unlink(missing_ok=True)
                 changed = True
+            elif _LEASE.fullmatch(name):
+                try:
+                    lapsed = os.stat(self.root / name).st_mtime < stale_before  # mtime = its expiry
+                except FileNotFoundError:
+                    continue
+                if lapsed:
+                    (self.root / name).unlink(missing_ok=True)
         if changed:
             self._fsync_dir()
 
@@ -296,14 +324,14 @@ class DiskTier:
             self._index(digest, rec)
 
     def _try_load(self, digest: str, fingerprint: str, tenant: str
-                  ) -> tuple[str, Record | None, dict[str, torch.Tensor] | None]:
-        """("absent" | "foreign" | "corrupt" | "ok", record, tensors); verifies size, sha256,
-        names, dtypes and shapes."""
+                  ) -> tuple[str, Record | None, dict[str, torch.Tensor] | None, str]:
+        """("absent" | "foreign" | "corrupt" | "ok", record, tensors, what failed); verifies size,
+        sha256, names, dtypes and shapes."""
         status, rec = self._read_sidecar(digest)
         if rec is None:
-            return status, None, None
+            return status, None, None, "malformed sidecar"
         if (rec.fingerprint, rec.tenant) != (fingerprint, tenant):
-            return "foreign", rec, None
+            return "foreign", rec, None, ""
         path = self.root / rec.file
         try:
             # Hashed through a read-only memory map (no copy of the file in this process), then
@@ -311,34 +339,35 @@ class DiskTier:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != rec.data_size or size == 0:
-                    return "corrupt", rec, None
+                    return "corrupt", rec, None, f"data file has {size} bytes, its sidecar says {rec.data_size}"
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
                     if hashlib.sha256(view).hexdigest() != rec.sha256:
-                        return "corrupt", rec, None
+                        return "corrupt", rec, None, "sha256 of the data file differs from its sidecar's"
         except FileNotFoundError:
-            return "corrupt", rec, None
+            return "corrupt", rec, None, "data file missing"
         try:
             tensors = safetensors.torch.load_file(str(path))
         except (safetensors.SafetensorError, ValueError, TypeError):
             # A file that matches its checksum but does not parse as safetensors was written
             # wrong: corruption (dropped and recomputed). Other errors (memory, I/O) propagate.
-            return "corrupt", rec, None
+            return "corrupt", rec, None, "data file does not parse as safetensors"
         got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
         if got != rec.tensors or sum(t.numel() * t.element_size() for t in tensors.values()) != rec.nbytes:
-            return "corrupt", rec, None
-        return "ok", rec, tensors
+            return "corrupt", rec, None, "tensor names, dtypes or shapes differ from the sidecar's"
+        return "ok", rec, tensors, ""
 
     def load(self, digest: str, fingerprint: str, tenant: str) -> tuple[dict[str, torch.Tensor], Record] | None:
         """The verified entry (counted as used), or None: absent, another owner's, or corrupt
-        (then deleted under the exclusive lock and counted in `corrupt_dropped`)."""
+        (then deleted under the exclusive lock, counted in `corrupt_dropped`, and warned about
+        once per digest with a CorruptEntryWarning)."""
         with self.locked(exclusive=False):
-            status, rec, tensors = self._try_load(digest, fingerprint, tenant)
+            status, rec, tensors, _ = self._try_load(digest, fingerprint, tenant)
         if status == "corrupt":
             with self.locked(exclusive=True):  # re-check: another process may have replaced it
-                status, rec, tensors = self._try_load(digest, fingerprint, tenant)
+                status, rec, tensors, why = self._try_load(digest, fingerprint, tenant)
                 if status == "corrupt":
                     self._drop(digest)
-                    self.corrupt_dropped += 1
+                    self._corrupt(digest, why)
         if status == "absent":
             self._unindex(digest)
         if status != "ok" or rec is None or tensors is None:

@@ -16,9 +16,12 @@ _EMPTY: Mapping[str, object] = MappingProxyType({})
 
 
 class EncoderCache:
-    """Runs a vision encoder at most once per (model, pixels, settings, tenant).
+    """Runs a vision encoder at most once per (model, pixels, settings, tenant), across every
+    process sharing the store: `get_or_compute` goes through `ChunkStore.get_or_compute`, so while
+    one worker runs the tower on an image the others wait for its outputs instead of running it too.
 
-    `computed` counts calls of `fn` (misses), `reused` counts hits.
+    `computed` counts calls of `fn` here, `reused` counts outputs served by the store (stored
+    before, or arriving from the worker that held the lease).
     """
 
     def __init__(self, store: ChunkStore) -> None:
@@ -43,13 +46,9 @@ class EncoderCache:
         check_key(key)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        hit = self.store.get(key)
-        if hit is not None:
+        got = self.store.get_or_compute(key, fn, meta)
+        if got.how == "computed":
+            self.computed += 1
+        else:
             self.reused += 1
-            return hit[0]
-        out = fn()
-        if not isinstance(out, Mapping):
-            raise TypeError(f"fn must return a mapping of names to tensors, got {type(out).__name__}")
-        self.store.put(key, out, meta)
-        self.computed += 1
-        return dict(out)
+        return got.tensors

@@ -11,6 +11,10 @@ fingerprint, tenant salt, modality and content; every key of one entry carries t
   into `part_bytes` pieces; `token` is random per write, so a reader only ever reads the parts
   its manifest names.
 - `P{D}:t:<token>:<i>`: a part being uploaded (expires after ORPHAN_TTL_S if its writer dies).
+- `P{D}:l`: the lease of a worker computing the entry (`try_lease`): a random token set with
+  `SET NX PX ttl`, so it lapses on its own when its holder dies; released only by its holder
+  (a Lua script deletes it only while it still holds that token).
+The server is one Redis server, or a Redis Cluster with `?cluster=1` (`remote_client.py`).
 
 Write: the parts go up under temporary keys in one pipeline; then one MULTI/EXEC renames them to
 their part keys, sets their TTL and sets the manifest (reading the old one), so the entry appears
@@ -19,13 +23,16 @@ last and lists every part's size: it is the part-complete marker.
 Read: manifest → owner (fingerprint, tenant) and, with a secret, MAC checked before any part is
 fetched → parts fetched in one pipeline → sizes, sha256, safetensors parse, tensor specs and
 byte count checked. A failed check deletes the entry (only if its manifest is still the one read,
-under WATCH, so a concurrent rewrite is never deleted) and reports a miss.
+under WATCH, so a concurrent rewrite is never deleted), reports a miss and issues one
+CorruptEntryWarning per entry.
 
 Faults (refused connection, timeout, a server restarted or killed mid-call, any Redis error)
 never raise to the caller: the call reports "error" (a miss / a skipped write-back), one
 RemoteWarning is issued until the server answers again, and the server is not tried again for
-`retry_s` seconds (calls in between report "error" at once). Every socket operation is bounded by
-`timeout_s` (connect and each read/write); redis-py's own retries are switched off.
+`retry_s` seconds (calls in between report "error" at once). On a cluster, the warning and the
+back-off are per node: a node that is down costs the keys of its slots, the others carry on.
+Every socket operation is bounded by `timeout_s` (connect and each read/write); redis-py's own
+retries are switched off.
 Eviction is the server's: run it with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`.
 """
 
@@ -42,16 +49,19 @@ import struct
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, Literal, TypeVar
 
 import safetensors
 import safetensors.torch
 import torch
 
 from agentwin.store.disk import DTYPES
-from agentwin.store.tiers import Entry
+from agentwin.store.remote_client import check_url, cluster_client, is_cluster, plain_client, safe_url
+from agentwin.store.tiers import CorruptEntryWarning, Entry
+
+__all__ = ["FORMAT", "ORPHAN_TTL_S", "PART_BYTES", "RedisTier", "RemoteStats", "RemoteWarning", "check_url", "safe_url"]
 
 FORMAT = "agentwin.store.remote/1"
 PART_BYTES = 8 << 20
@@ -61,13 +71,15 @@ _MAC_DOMAIN = b"agentwin.store.remote.mac/1"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _log = logging.getLogger(__name__)
-# URL query options redis-py would let override the bounded timeouts, retries and pool size.
-_RESERVED_QUERY = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "max_connections",
-                             "retry_on_timeout", "retry_on_error", "retry", "health_check_interval"})
+# Deletes the lease only while it still holds the caller's token (a lapsed lease may be another's).
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+_WHY = {"corrupt": "a part missing or cut short, or its checksum, parse or tensor specs failed",
+        "rejected": "its manifest names another model fingerprint or tenant, or has no valid MAC"}
 _MANIFEST_FIELDS = frozenset({"format", "digest", "model_fingerprint", "tenant", "token", "size", "sha256", "parts",
                               "tensors", "nbytes", "meta", "created"})
 
 Status = Literal["hit", "absent", "corrupt", "rejected", "error"]
+T = TypeVar("T")
 
 
 class RemoteWarning(RuntimeWarning):
@@ -120,42 +132,21 @@ def _positive(value: object, what: str, allow_zero: bool = False) -> float:
     return float(value)
 
 
-def safe_url(url: str) -> str:
-    """`url` without its user name and password (for messages)."""
-    parts = urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{host}{parts.path}"
-
-
-def check_url(url: object) -> str:
-    """`url` if it is a redis:// or rediss:// URL with a host, else ValueError/TypeError. Query
-    options pass through to redis-py (e.g. rediss://host?ssl_ca_certs=/path/ca.pem), except those
-    that would override the tier's timeouts, retries or pool size."""
-    if not isinstance(url, str):
-        raise TypeError(f"url must be a str (redis://[user:password@]host[:port][/db]), got {type(url).__name__}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise ValueError(f"url must be redis://[user:password@]host[:port][/db] or rediss://... (TLS), "
-                         f"got {safe_url(url) if '://' in url else url!r}")
-    reserved = sorted(_RESERVED_QUERY & set(parse_qs(parts.query)))
-    if reserved:
-        raise ValueError(f"url query options {reserved} are set by RedisTier (timeout_s, max_connections; "
-                         "no client retries); pass them as RedisTier / open_store arguments instead")
-    return url
-
-
 class RedisTier:
     """Entries on a Redis server (see the module docstring for keys, writes, reads and faults).
 
-    url: redis://[user:password@]host[:port][/db], or rediss://... for TLS.
+    url: redis://[user:password@]host[:port][/db], or rediss://... for TLS; with ?cluster=1, any
+        node of a Redis Cluster (see `remote_client`).
     timeout_s: bound on connecting and on each socket read/write, and on waiting for a pooled
-        connection. max_connections: size of the (blocking) connection pool.
+        connection. max_connections: size of the (blocking) connection pool (per node on a
+        cluster).
     part_bytes: payloads larger than this are split into parts of this size.
     ttl_s: optional expiry of every entry (None: kept until the server evicts it).
     secret: with a secret (non-empty bytes or str), every written entry carries HMAC-SHA256 over
         (key digest, manifest, payload checksum), and entries without a valid MAC are rejected.
         Use one secret per tenant; processes sharing entries need the same secret.
-    retry_s: after a fault the server is left alone for this long (calls report "error" at once).
+    retry_s: after a fault the server (on a cluster: the node) is left alone for this long
+        (calls for it report "error" at once).
     prefix: namespace of every key (no braces: they delimit the hash tag).
     Thread-safe. Creating one does not connect; the first call does.
     """
@@ -182,31 +173,55 @@ class RedisTier:
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix must be a str without braces (they delimit the hash tag), got {prefix!r}")
         self.prefix = prefix
-        self.url = safe_url(url)
+        self.url = safe_url(url) + ("?cluster=1" if is_cluster(url) else "")
         try:
             import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
+            import redis.cluster  # noqa: F401  (RedisClusterException below; the cluster client)
         except ImportError as exc:
             raise ImportError("RedisTier needs the redis client: pip install redis==8.1.0 (or run scripts/setup.sh)"
                               ) from exc
         self._redis = redis
-        self._faults: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=self.timeout_s, socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._client = redis.Redis(connection_pool=pool)
+        self._faults: tuple[type[BaseException], ...] = (
+            redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+        self.cluster = is_cluster(url)
+        self._url, self._max_connections = url, max_connections
+        # A cluster client asks a node for the slot map when made: made on first use instead.
+        self._client: Any = None if self.cluster else plain_client(redis, url, self.timeout_s, max_connections)
         self._lock = threading.Lock()
-        self._retry_at = 0.0  # time.monotonic() before which the server is not tried
-        self._warned = False
+        self._retry_at: dict[str, float] = {}  # node ("" = the server, or the whole cluster) -> time.monotonic()
+        self._warned: set[str] = set()  # nodes a RemoteWarning was issued for, until they answer again
+        self._warned_entries: set[str] = set()  # digests a CorruptEntryWarning was issued for
         self._counts = dict.fromkeys(("hits", "absent", "corrupt", "rejected", "errors", "writes"), 0)
 
     def __repr__(self) -> str:
-        return f"RedisTier({self.url!r}, timeout_s={self.timeout_s}, signed={self._secret is not None})"
+        return (f"RedisTier({self.url!r}, timeout_s={self.timeout_s}, signed={self._secret is not None}, "
+                f"cluster={self.cluster})")
 
     def close(self) -> None:
         """Closes pooled connections (a later call opens new ones)."""
-        self._client.connection_pool.disconnect()
+        with self._lock:
+            client = self._client
+            if self.cluster:
+                self._client = None
+        if client is None:
+            return
+        if self.cluster:
+            client.close()
+        else:
+            client.connection_pool.disconnect()
+
+    def _conn(self) -> Any:
+        """The client (a cluster client is made here on first use; a fault propagates)."""
+        client = self._client
+        if client is None:
+            made = cluster_client(self._redis, self._url, self.timeout_s, self._max_connections)
+            with self._lock:
+                if self._client is None:
+                    self._client, made = made, None
+                client = self._client
+            if made is not None:
+                made.close()
+        return client
 
     def stats(self) -> RemoteStats:
         with self._lock:
@@ -222,36 +237,69 @@ class RedisTier:
     def _tmp_key(self, digest: str, token: str, i: int) -> str:
         return f"{self.prefix}{{{digest}}}:t:{token}:{i}"
 
+    def lease_key(self, digest: str) -> str:
+        return f"{self.prefix}{{{digest}}}:l"
+
     # -- fault handling --------------------------------------------------------------------------
     def _count(self, what: str) -> None:
         with self._lock:
             self._counts[what] += 1
 
-    def _available(self) -> bool:
-        """False (counted as an error) while backing off after a fault."""
+    def _available(self, node: str) -> bool:
+        """False (counted as an error) while backing off after a fault of `node`."""
         with self._lock:
-            if time.monotonic() < self._retry_at:
+            if time.monotonic() < self._retry_at.get(node, 0.0):
                 self._counts["errors"] += 1
                 return False
             return True
 
-    def _fault(self, op: str, exc: BaseException) -> None:
+    def _fault(self, op: str, node: str, exc: BaseException) -> None:
         with self._lock:
             self._counts["errors"] += 1
-            self._retry_at = time.monotonic() + self.retry_s
-            first, self._warned = not self._warned, True
+            self._retry_at[node] = time.monotonic() + self.retry_s
+            first = node not in self._warned
+            self._warned.add(node)
         if first:
-            warnings.warn(f"remote store {self.url}: {op} failed ({type(exc).__name__}: {exc}); carrying on "
-                          f"with the local tiers (misses are computed locally), retrying the server at most "
-                          f"every {self.retry_s:g} s; no further warning until it answers again",
-                          RemoteWarning, stacklevel=4)
+            where = f"{self.url} (node {node})" if node else self.url
+            warnings.warn(f"remote store {where}: {op} failed ({type(exc).__name__}: {exc}); carrying on "
+                          f"with the local tiers (misses are computed locally), retrying {'it' if node else 'the server'} "
+                          f"at most every {self.retry_s:g} s; no further warning until it answers again",
+                          RemoteWarning, stacklevel=5)
 
-    def _answered(self) -> None:
-        if self._warned:
+    def _answered(self, node: str) -> None:
+        if node in self._warned:
             with self._lock:
-                recovered, self._warned = self._warned, False
+                recovered = node in self._warned
+                self._warned.discard(node)
             if recovered:
-                _log.info("remote store %s answers again", self.url)
+                _log.info("remote store %s answers again", f"{self.url} (node {node})" if node else self.url)
+
+    def _call(self, op: str, digest: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """(True, fn()) or (False, None) on a fault (counted; one RemoteWarning per server or
+        node; that server or node is left alone for retry_s) or during its back-off."""
+        if not self._available(""):
+            return False, None
+        node = ""
+        try:
+            client = self._conn()
+            if self.cluster:
+                node = client.get_node_from_key(self.manifest_key(digest)).name
+                if not self._available(node):
+                    return False, None
+            out = fn()
+        except self._faults as exc:
+            self._fault(op, node, exc)
+            return False, None
+        self._answered(node)
+        return True, out
+
+    def _warn_corrupt(self, digest: str, status: str) -> None:
+        with self._lock:
+            first = digest not in self._warned_entries
+            self._warned_entries.add(digest)
+        if first:
+            warnings.warn(f"remote tier {self.url}: entry {digest} failed verification ({_WHY[status]}); deleted "
+                          "and read as a miss, so it is recomputed", CorruptEntryWarning, stacklevel=5)
 
     # -- manifests -------------------------------------------------------------------------------
     def _mac(self, digest: str, body: bytes, sha: str) -> str:
@@ -305,7 +353,7 @@ class RedisTier:
     def _drop_if_unchanged(self, digest: str, raw: bytes, m: _Manifest | None) -> bool:
         """Deletes the entry if its manifest is still `raw` (WATCH/MULTI); False if it changed."""
         mkey = self.manifest_key(digest)
-        with self._client.pipeline(transaction=True) as pipe:
+        with self._conn().pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(mkey)
                 if pipe.get(mkey) != raw:
@@ -320,25 +368,24 @@ class RedisTier:
     # -- entry operations ------------------------------------------------------------------------
     def get(self, digest: str, fingerprint: str, tenant: str) -> tuple[Status, Entry | None]:
         """("hit", entry) with verified contiguous CPU tensors, or (status, None): "absent",
-        "corrupt" / "rejected" (the entry was deleted), "error" (fault or back-off)."""
-        if not self._available():
+        "corrupt" / "rejected" (the entry was deleted; one CorruptEntryWarning per entry), "error"
+        (fault or back-off)."""
+        ok, got = self._call("get", digest, lambda: self._get(digest, fingerprint, tenant))
+        if not ok or got is None:
             return "error", None
-        try:
-            status, entry = self._get(digest, fingerprint, tenant)
-        except self._faults as exc:
-            self._fault("get", exc)
-            return "error", None
-        self._answered()
+        status, entry = got
         self._count({"hit": "hits"}.get(status, status))
+        if status in _WHY:
+            self._warn_corrupt(digest, status)
         return status, entry
 
     def _get(self, digest: str, fingerprint: str, tenant: str) -> tuple[Status, Entry | None]:
-        raw = self._client.get(self.manifest_key(digest))
+        raw = self._conn().get(self.manifest_key(digest))
         if raw is None:
             return "absent", None
         status, m = self._check_manifest(digest, raw, fingerprint, tenant)
         if status == "hit" and m is not None:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._conn().pipeline(transaction=False)
             for k in self._part_keys(digest, m):
                 pipe.get(k)
             parts = pipe.execute()
@@ -372,8 +419,6 @@ class RedisTier:
             fingerprint: str, tenant: str) -> bool:
         """Publishes the entry (contiguous CPU tensors; replacing any under `digest`); False on a
         fault or during the back-off (nothing half-written is ever visible)."""
-        if not self._available():
-            return False
         blob = safetensors.torch.save(tensors)
         sha = hashlib.sha256(blob).hexdigest()
         n = self.part_bytes
@@ -386,14 +431,11 @@ class RedisTier:
                     "nbytes": nbytes, "meta": json.loads(meta_json), "created": time.time()}
         body = _canonical(manifest)
         raw = body + b"\n" + (self._mac(digest, body, sha).encode() if self._secret is not None else b"")
-        try:
-            self._upload(digest, token, parts)
-            ok = self._publish(digest, token, len(parts), raw)
-        except self._faults as exc:
-            self._fault("put", exc)
-            return False
-        self._answered()
+        ok, published = self._call("put", digest, lambda: self._upload(digest, token, parts)
+                                   or self._publish(digest, token, len(parts), raw))
         if not ok:
+            return False
+        if not published:
             self._count("errors")
             return False
         self._count("writes")
@@ -401,7 +443,7 @@ class RedisTier:
 
     def _upload(self, digest: str, token: str, parts: list[bytes]) -> None:
         """The parts under temporary keys (expiring, should this writer die), in one pipeline."""
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._conn().pipeline(transaction=False)
         for i, p in enumerate(parts):
             pipe.set(self._tmp_key(digest, token, i), p, px=int(ORPHAN_TTL_S * 1000))
         pipe.execute()
@@ -411,10 +453,12 @@ class RedisTier:
         False (the entry withdrawn) when a temporary part vanished before the rename."""
         mkey = self.manifest_key(digest)
         ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
-        tx = self._client.pipeline(transaction=True)
+        tx = self._conn().pipeline(transaction=True)
         tx.get(mkey)
         for i in range(count):
-            tx.rename(self._tmp_key(digest, token, i), self.part_key(digest, token, i))
+            # execute_command: redis-py's cluster pipeline refuses its rename() wrapper, which could
+            # cross slots; these two keys share the entry's hash tag, so one slot.
+            tx.execute_command("RENAME", self._tmp_key(digest, token, i), self.part_key(digest, token, i))
             if ttl_ms is None:
                 tx.persist(self.part_key(digest, token, i))
             else:
@@ -434,38 +478,45 @@ class RedisTier:
             if got is not None and got[0].token != token:
                 stale = self._part_keys(digest, got[0])
                 if stale:
-                    self._client.delete(*stale)
+                    self._conn().delete(*stale)
         return True
 
     def contains(self, digest: str, fingerprint: str, tenant: str) -> bool:
         """Whether a manifest of this owner (with a valid MAC, given a secret) is published; the
         parts are only verified by get. False on a fault."""
-        if not self._available():
-            return False
-        try:
-            raw = self._client.get(self.manifest_key(digest))
-        except self._faults as exc:
-            self._fault("contains", exc)
-            return False
-        self._answered()
-        return raw is not None and self._check_manifest(digest, raw, fingerprint, tenant)[0] == "hit"
+        ok, raw = self._call("contains", digest, lambda: self._conn().get(self.manifest_key(digest)))
+        return ok and raw is not None and self._check_manifest(digest, raw, fingerprint, tenant)[0] == "hit"
 
     def delete(self, digest: str) -> bool:
         """Deletes the entry under `digest` (manifest and the parts it names), whatever owner its
         manifest names (the digest is the caller's own key); True when a manifest was deleted,
         False when none was there or on a fault."""
-        if not self._available():
-            return False
         mkey = self.manifest_key(digest)
-        try:
-            raw = self._client.get(mkey)
+
+        def delete() -> bool:
+            raw = self._conn().get(mkey)
             if raw is None:
-                removed = False
-            else:
-                got = self._parse(raw.rpartition(b"\n")[0], digest)
-                removed = bool(self._client.delete(mkey, *self._part_keys(digest, got[0] if got else None)))
-        except self._faults as exc:
-            self._fault("delete", exc)
-            return False
-        self._answered()
-        return removed
+                return False
+            got = self._parse(raw.rpartition(b"\n")[0], digest)
+            return bool(self._conn().delete(mkey, *self._part_keys(digest, got[0] if got else None)))
+
+        ok, removed = self._call("delete", digest, delete)
+        return bool(ok and removed)
+
+    # -- leases ----------------------------------------------------------------------------------
+    def try_lease(self, digest: str, token: str, ttl_s: float) -> Literal["granted", "held", "error"]:
+        """Sets the entry's lease to `token` for `ttl_s` unless another token holds it
+        (`SET NX PX`): "granted", "held" (another holder's, not yet lapsed) or "error" (a fault
+        or the back-off: the caller goes on without a lease)."""
+        ttl_ms = max(1, int(_positive(ttl_s, "ttl_s") * 1000))
+        ok, set_ = self._call("lease", digest, lambda: self._conn().set(self.lease_key(digest), token, nx=True,
+                                                                         px=ttl_ms))
+        if not ok:
+            return "error"
+        return "granted" if set_ else "held"
+
+    def release_lease(self, digest: str, token: str) -> bool:
+        """Deletes the entry's lease if `token` still holds it; False when it had lapsed (and
+        perhaps been taken over), or on a fault (it then lapses on its own)."""
+        ok, n = self._call("release", digest, lambda: self._conn().eval(_RELEASE, 1, self.lease_key(digest), token))
+        return bool(ok and n)

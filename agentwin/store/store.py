@@ -17,6 +17,8 @@ Placement:
 - RAM over budget: LRU unpinned entries leave RAM; with a root they are demoted to disk (already
   there thanks to write-through unless the disk tier dropped them, then written), else dropped.
   Disk over budget: LRU entries are deleted. The device tier drops LRU copies.
+- get_or_compute: a hit, else the caller that takes the key's lease (`lease.py`) computes and
+  puts while the others sharing the store wait for its entry, so an entry is computed once.
 Budgets hold after every call: a call that cannot keep them raises ValueError and changes nothing.
 """
 
@@ -25,8 +27,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -35,11 +39,13 @@ import torch
 
 from agentwin.store.disk import DTYPES, DiskTier
 from agentwin.store.keys import ChunkKey, canonical_json, check_key
+from agentwin.store.lease import DiskLeases, Lease, Resolved, check_seconds, new_token
 from agentwin.store.remote import RedisTier, check_url
 from agentwin.store.tiers import Entry, MemoryTier
 
 Tensor = torch.Tensor
 MAX_META_BYTES = 1 << 20
+LEASE_TTL_S = 30.0
 _EMPTY: Mapping[str, object] = MappingProxyType({})
 
 
@@ -60,6 +66,10 @@ class StoreStats:
     and were served / found no valid entry. remote_errors: remote gets and write-backs that
     failed on a fault (server down, refused, timeout, error) or were skipped during its back-off.
     All three stay 0 without a remote tier.
+    lease_waits: get_or_compute calls that found another holder's lease on their key and waited.
+    lease_hits: those served by that holder's entry (a compute this store did not run).
+    lease_takeovers: those that computed after all: the holder's lease lapsed or was released
+    with no entry, or wait_s ran out.
     """
 
     hits: int
@@ -77,6 +87,9 @@ class StoreStats:
     remote_hits: int = 0
     remote_misses: int = 0
     remote_errors: int = 0
+    lease_waits: int = 0
+    lease_hits: int = 0
+    lease_takeovers: int = 0
 
 
 def _budget(value: object, what: str) -> int:
@@ -155,7 +168,9 @@ class ChunkStore:
             self._dev = MemoryTier("device", device_bytes, dev)
         self._ram = MemoryTier("ram", ram_bytes, torch.device("cpu"))
         self._disk = DiskTier(Path(root), disk_bytes) if root is not None else None
+        self._leases = DiskLeases(self._disk) if self._disk is not None else None
         self._hits = self._misses = self._evictions = self._demotions = self._promotions = 0
+        self._lease_waits = self._lease_hits = self._lease_takeovers = 0
         self._mutex = threading.RLock()
 
     @property
@@ -327,7 +342,8 @@ class ChunkStore:
                 evictions=self._evictions + (disk.evictions if disk else 0), demotions=self._demotions,
                 promotions=self._promotions,
                 corrupt_dropped=(disk.corrupt_dropped if disk else 0) + self._remote_dropped,
-                remote_hits=self._remote_hits, remote_misses=self._remote_misses, remote_errors=self._remote_errors)
+                remote_hits=self._remote_hits, remote_misses=self._remote_misses, remote_errors=self._remote_errors,
+                lease_waits=self._lease_waits, lease_hits=self._lease_hits, lease_takeovers=self._lease_takeovers)
 
     def check_integrity(self) -> None:
         """RuntimeError on any broken invariant: a tier over budget or miscounted, pins outside
@@ -342,10 +358,120 @@ class ChunkStore:
             if self._disk is not None:
                 self._disk.check()
             if min(self._hits, self._misses, self._evictions, self._demotions, self._promotions, self._remote_hits,
-                   self._remote_misses, self._remote_errors, self._remote_dropped) < 0:
+                   self._remote_misses, self._remote_errors, self._remote_dropped, self._lease_waits,
+                   self._lease_hits, self._lease_takeovers) < 0 or self._lease_hits + self._lease_takeovers > self._lease_waits:
                 raise RuntimeError("negative counter; this indicates a bug")
 
+    # -- leases: an entry computed once across the processes sharing the store -------------------
+    def try_lease(self, key: ChunkKey, ttl_s: float = LEASE_TTL_S) -> Lease | None:
+        """A lease on `key` for `ttl_s` seconds, or None while another holder's lease on it has
+        not lapsed. Held on the remote tier when there is one (a fault there grants a lease of
+        tier "none", counted in remote_errors: the caller goes on uncoordinated rather than
+        blocked), else as a lease file in the disk root, else granted at once (RAM only)."""
+        check_key(key)
+        ttl = check_seconds(ttl_s, "ttl_s")
+        with self._mutex:
+            return self._acquire(key, new_token(), ttl)
+
+    def release(self, lease: Lease) -> bool:
+        """Gives `lease` back, so that a waiting worker takes over at once. False when it had
+        lapsed (it may be another's by now; theirs is left alone) or on a remote fault (it then
+        lapses on its own). RAM and "none" leases hold nothing: True."""
+        if not isinstance(lease, Lease):
+            raise TypeError(f"lease must be a Lease from try_lease, got {type(lease).__name__}")
+        with self._mutex:
+            if lease.tier == "remote" and self._remote is not None:
+                return self._remote.release_lease(lease.key.digest, lease.token)
+            if lease.tier == "disk" and self._leases is not None:
+                return self._leases.release(lease.key.digest, lease.token)
+            return lease.tier in ("ram", "none")
+
+    @contextmanager
+    def lease(self, key: ChunkKey, ttl_s: float = LEASE_TTL_S) -> Iterator[Lease | None]:
+        """`with store.lease(key) as held:` — `try_lease`, released on leaving the block; held
+        is None when another holder has the key."""
+        held = self.try_lease(key, ttl_s)
+        try:
+            yield held
+        finally:
+            if held is not None:
+                self.release(held)
+
+    def get_or_compute(self, key: ChunkKey, compute: Callable[[], Mapping[str, Tensor]],
+                       meta: Mapping[str, object] = _EMPTY, *, ttl_s: float = LEASE_TTL_S,
+                       wait_s: float | None = None, poll_s: float = 0.05) -> Resolved:
+        """The entry under `key`, computed at most once by the workers sharing this store.
+
+        A hit is returned as is (how="hit"). Otherwise the caller that takes the key's lease runs
+        `compute()` (a mapping of names to tensors), puts it with `meta` and releases the lease (how="computed"; the tensors returned are compute's own). A caller
+        that finds the lease held polls every `poll_s` until the holder's entry appears
+        (how="waited", lease_hits) or the lease is released with no entry or lapses after its
+        `ttl_s`, or `wait_s` (default: ttl_s) has passed; then it computes (lease_takeovers).
+        `ttl_s` should exceed the longest compute: one that outlasts it lets a second worker
+        compute too (wasted work, never a wrong value). A remote fault never blocks or fails the
+        call: it computes. Errors from compute or from the put (ValueError over a budget)
+        propagate, after the lease is released."""
+        check_key(key)
+        if not callable(compute):
+            raise TypeError(f"compute must be callable, got {type(compute).__name__}")
+        ttl = check_seconds(ttl_s, "ttl_s")
+        wait = check_seconds(wait_s, "wait_s", allow_none=True) or ttl
+        poll = check_seconds(poll_s, "poll_s")
+        meta_json = canonical_json(meta, "meta")  # a bad meta fails before the compute, not after
+        hit = self.get(key)
+        if hit is not None:
+            return Resolved(hit[0], hit[1], "hit")
+        token = new_token()
+        with self._mutex:
+            held = self._acquire(key, token, ttl)
+            if held is None:
+                self._lease_waits += 1
+        waited = held is None
+        deadline = time.monotonic() + wait
+        while held is None:
+            time.sleep(max(0.0, min(poll, deadline - time.monotonic())))
+            if self.contains(key) and (hit := self.get(key)) is not None:
+                break
+            with self._mutex:
+                held = self._acquire(key, token, ttl)
+            if held is None and time.monotonic() >= deadline:
+                break  # computed without the lease
+        try:
+            # Also a holder before us may have put the entry between our get and our lease.
+            if hit is None and self.contains(key):
+                hit = self.get(key)
+            if hit is not None:
+                if waited:
+                    with self._mutex:
+                        self._lease_hits += 1
+                return Resolved(hit[0], hit[1], "waited" if waited else "hit")
+            if waited:
+                with self._mutex:
+                    self._lease_takeovers += 1
+            out = compute()
+            if not isinstance(out, Mapping):
+                raise TypeError(f"compute must return a mapping of names to tensors, got {type(out).__name__}")
+            self.put(key, out, meta)
+        finally:
+            if held is not None:
+                self.release(held)
+        return Resolved(dict(out), json.loads(meta_json), "computed")
+
     # -- internals ---------------------------------------------------------------------------------
+    def _acquire(self, key: ChunkKey, token: str, ttl: float) -> Lease | None:
+        """try_lease's work, under the store's mutex."""
+        if self._remote is not None:
+            got = self._remote.try_lease(key.digest, token, ttl)
+            if got == "held":
+                return None
+            if got == "error":
+                self._remote_errors += 1
+            return Lease(key, token, "remote" if got == "granted" else "none", time.time() + ttl)
+        if self._leases is not None:
+            expires = self._leases.try_acquire(key.digest, token, ttl)
+            return None if expires is None else Lease(key, token, "disk", expires)
+        return Lease(key, token, "ram", time.time() + ttl)
+
     def _remote_get(self, digest: str) -> Entry | None:
         """The verified remote entry, or None (counted as a remote miss or error)."""
         if self._remote is None:
@@ -443,8 +569,9 @@ def open_store(location: str | os.PathLike | None = None, *, model_fingerprint: 
     - None: RAM only (`ram_bytes`).
     - a filesystem path (str or os.PathLike): RAM + a disk tier rooted there (`disk_bytes`),
       shareable by processes on this machine.
-    - "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS): RAM, plus a disk tier
-      at `cache_dir` when given, plus a `RedisTier` on that server shared across processes and
+    - "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS), either with
+      "?cluster=1" for a Redis Cluster (any node's host:port): RAM, plus a disk tier at
+      `cache_dir` when given, plus a `RedisTier` on that server shared across processes and
       machines; `timeout_s` bounds each connect/read/write, `secret` signs and verifies entries
       (HMAC-SHA256; use one per tenant). Nothing connects here; a server that is down makes every
       remote call a miss (one RemoteWarning) until it answers.
@@ -453,7 +580,8 @@ def open_store(location: str | os.PathLike | None = None, *, model_fingerprint: 
     ValueError for a location of another form, TypeError for arguments of the wrong type.
     """
     forms = ("None (RAM only), a filesystem path (disk tier at that root), or a redis://[user:password@]host"
-             "[:port][/db] / rediss://... URL (remote tier, with a disk tier at cache_dir if given)")
+             "[:port][/db] / rediss://... URL, ?cluster=1 for a Redis Cluster (remote tier, with a disk tier at "
+             "cache_dir if given)")
     if secret is not None and not isinstance(secret, (bytes, str)):
         raise TypeError(f"secret must be bytes, str or None, got {type(secret).__name__}")
     if isinstance(secret, (bytes, str)) and not secret:

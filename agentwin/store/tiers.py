@@ -15,6 +15,11 @@ import torch
 Tensor = torch.Tensor
 
 
+class CorruptEntryWarning(RuntimeWarning):
+    """A disk or remote entry failed verification (or named another owner): it was deleted and
+    read as a miss, so the caller recomputes it. Issued once per tier and entry in a process."""
+
+
 def tensors_nbytes(tensors: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -1,5 +1,5 @@
-"""Disk tier: crash safety (SIGKILLed writers), corrupt and truncated files, crash leftovers,
-and two processes sharing one root."""
+"""Disk tier: crash safety (SIGKILLed writers), corrupt and truncated files (and the warning they
+raise), crash leftovers, and two processes sharing one root."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
-from agentwin.store import ChunkStore
+from agentwin.store import ChunkStore, CorruptEntryWarning
 from tests.agentwin.store._support import FP, WRITER, child, key, same, value
 
 NUMEL = 1 << 20  # 4 MiB float32 per entry, so a kill often lands inside a write
@@ -106,7 +107,8 @@ def test_crash_leftovers_are_collected_and_never_served(tmp_path):
     os.unlink(tmp_path / data1)
     os.unlink(tmp_path / f"{key(0).digest}.json")  # entry 0 was never committed
     (tmp_path / "unrelated.txt").write_text("left alone")
-    fresh = ChunkStore(tmp_path, model_fingerprint=FP)
+    with pytest.warns(CorruptEntryWarning, match=f"entry {key(1).digest} failed verification \\(data file missing\\)"):
+        fresh = ChunkStore(tmp_path, model_fingerprint=FP)
     fresh.check_integrity()
     assert _files(tmp_path) == sorted([".lock", "unrelated.txt"])
     assert fresh.get(key(0)) is None and fresh.get(key(1)) is None and fresh.get(key(5)) is None
@@ -120,8 +122,9 @@ def _one_entry(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _assert_dropped_then_repaired(tmp_path: Path, data: Path, side: Path) -> None:
-    s = ChunkStore(tmp_path, model_fingerprint=FP)  # fresh: nothing in RAM, the disk copy is read
-    assert s.get(key(7)) is None
+    with pytest.warns(CorruptEntryWarning, match=f"disk tier .*: entry {key(7).digest} failed verification"):
+        s = ChunkStore(tmp_path, model_fingerprint=FP)  # fresh: nothing in RAM, the disk copy is read
+        assert s.get(key(7)) is None
     st = s.stats()
     assert st.corrupt_dropped == 1 and st.misses == 1 and st.hits == 0
     assert not data.exists() and not side.exists() and not s.contains(key(7))
@@ -171,15 +174,52 @@ def test_corrupt_entry_in_a_running_store_after_ram_eviction(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[-3] ^= 0xFF
     data.write_bytes(bytes(raw))
-    assert s.get(key(1)) is None and s.stats().corrupt_dropped == 1 and not data.exists()
+    with pytest.warns(CorruptEntryWarning, match=key(1).digest):
+        assert s.get(key(1)) is None
+    assert s.stats().corrupt_dropped == 1 and not data.exists()
     got = s.get(key(2))
     assert got is not None and same(got[0], value(2, 1000))
     s.check_integrity()
 
 
+def _flip(root: Path, k) -> None:
+    data = next(p for p in root.iterdir() if p.name.startswith(k.digest) and p.suffix == ".safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+
+
+def test_corrupt_entry_warns_once_naming_the_tier_and_the_key(tmp_path):
+    """Flipped bytes in a disk entry: the get is a miss, with one CorruptEntryWarning that names
+    the disk tier and the key's digest and points at the caller; the recomputed value is then
+    served. The same entry found corrupt again in this process is not warned about twice (but is
+    still dropped); another entry gets its own warning. ram_bytes=0: every get reads the disk."""
+    s = ChunkStore(tmp_path, ram_bytes=0, model_fingerprint=FP)
+    for i in (1, 2):
+        s.put(key(i), value(i, 1000), {"i": i})
+    _flip(tmp_path, key(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert s.get(key(1)) is None
+        assert s.stats().corrupt_dropped == 1 and s.stats().misses == 1 and not s.contains(key(1))
+        s.put(key(1), value(1, 1000), {"i": 1})  # the caller recomputes it
+        got = s.get(key(1))
+        assert got is not None and same(got[0], value(1, 1000)) and got[1] == {"i": 1}
+        _flip(tmp_path, key(1))
+        assert s.get(key(1)) is None and s.stats().corrupt_dropped == 2
+        _flip(tmp_path, key(2))
+        assert s.get(key(2)) is None and s.stats().corrupt_dropped == 3
+    found = [w for w in caught if issubclass(w.category, CorruptEntryWarning)]
+    assert [str(w.message) for w in found] == [
+        f"disk tier {tmp_path}: entry {key(i).digest} failed verification (sha256 of the data file differs from "
+        "its sidecar's); deleted and read as a miss, so it is recomputed" for i in (1, 2)]
+    assert all(w.filename == __file__ for w in found)  # attributed to the caller of get
+    s.check_integrity()
+
+
 READER = """
 import sys
-from agentwin.store import ChunkStore
+from agentwin.store import ChunkStore, CorruptEntryWarning
 from tests.agentwin.store._support import FP, key, value, same
 s = ChunkStore(sys.argv[1], model_fingerprint=FP)
 got = s.get(key(int(sys.argv[2])))

@@ -5,80 +5,20 @@ the local budgets, `open_store`, and two Windows sharing canonical KV and patche
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
-import redis
 import torch
 
-from agentwin.store import ChunkStore, RedisTier, RemoteWarning, open_store
+from agentwin.store import ChunkStore, CorruptEntryWarning, RedisTier, RemoteWarning, open_store
 from agentwin.store.remote import ORPHAN_TTL_S
-from tests.agentwin.store._support import FP, child, key, same, value
+from tests.agentwin.store._support import FP, Server, child, free_port, key, same, value
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TIMEOUT = 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A redis-server child on 127.0.0.1:`port` (no RDB, no AOF, LRU eviction, data dir `root`)."""
-
-    def __init__(self, root: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
-        if not os.access(REDIS_SERVER, os.X_OK):
-            pytest.fail("redis-server is not installed (the remote-tier tests start a real one): "
-                        "run scripts/setup.sh, which installs Debian's redis-server")
-        self.root, self.port = root, port or _free_port()
-        self.extra = extra
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
-
-    def start(self) -> Server:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.root), "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
@@ -214,7 +154,8 @@ def test_damaged_entry_is_detected_deleted_and_missed(server, damage):
     else:
         c.setrange(f"agentwin:{{{d}}}:m", 2, b"#")
     reader = _store(server.url)
-    assert reader.get(key(6)) is None
+    with pytest.warns(CorruptEntryWarning, match=f"remote tier {server.url}: entry {d} failed verification"):
+        assert reader.get(key(6)) is None
     s = reader.stats()
     assert (s.remote_misses, s.remote_hits, s.corrupt_dropped, s.remote_errors) == (1, 0, 1, 0)
     assert reader.remote.stats().corrupt == 1
@@ -262,7 +203,7 @@ def test_forged_entries_are_rejected(server):
 
 
 def test_refused_connection_warns_once_backs_off_and_recovers(tmp_path):
-    port = _free_port()  # nothing listens here yet
+    port = free_port()  # nothing listens here yet
     url = f"redis://agent:hunter2@127.0.0.1:{port}/0"
     s = open_store(url, model_fingerprint=FP, timeout_s=TIMEOUT)
     s.remote.retry_s = 0.3

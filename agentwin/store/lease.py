@@ -1,0 +1,123 @@
+"""Leases: one worker computes an entry while the others wait for it (`ChunkStore.get_or_compute`).
+
+A lease is held on the store's widest tier:
+- remote (Redis, one server or a cluster): the key `P{D}:l` set with `SET NX PX ttl` to a random
+  token; released by a Lua script that deletes it only while it holds that token (`RedisTier`);
+- disk root: the file `<digest>.lease` in the root, JSON with the token and the expiry time,
+  created and replaced under the disk tier's exclusive flock; one past its expiry (or unreadable)
+  is taken over, so a dead worker's lease never blocks the others for longer than its ttl;
+- RAM only: granted at once (nothing else shares a RAM tier).
+A lease is advisory: it only decides who computes. Entries are still written whole and verified on
+every read, so a lease that lapses mid-compute costs a second compute, never a wrong value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agentwin.store.disk import LEASE_FORMAT, TMP_PREFIX, DiskTier
+from agentwin.store.keys import ChunkKey
+
+LeaseTier = Literal["remote", "disk", "ram", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A granted lease on `key`: `token` (random per grant), the `tier` it is held on ("none":
+    granted without coordination, because the remote tier faulted), and `expires_at`
+    (`time.time()` seconds) after which others may take it over."""
+
+    key: ChunkKey
+    token: str
+    tier: LeaseTier
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What `ChunkStore.get_or_compute` returns. `how`: "hit" (the store had it), "waited"
+    (another worker held the lease and its entry arrived: no compute here) or "computed" (compute
+    ran here; `tensors` are then compute's own tensors, on their devices). `meta`: a fresh dict."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+    how: Literal["hit", "waited", "computed"]
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def check_seconds(value: object, what: str, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not (0 < value < float("inf")):
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class DiskLeases:
+    """Lease files `<digest>.lease` under a disk tier's root (see the module docstring)."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+
+    def _path(self, digest: str):
+        return self.disk.root / f"{digest}.lease"
+
+    def holder(self, digest: str) -> tuple[str, float] | None:
+        """(token, expires_at) of the lease file, ("", 0.0) when it cannot be read as one (taken
+        over like a lapsed lease), None when there is none."""
+        try:
+            raw = self._path(digest).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            o = json.loads(raw)
+            if o["format"] != LEASE_FORMAT or o["digest"] != digest or not isinstance(o["token"], str):
+                return "", 0.0
+            return o["token"], float(o["expires_at"])
+        except (ValueError, TypeError, KeyError):
+            return "", 0.0
+
+    def try_acquire(self, digest: str, token: str, ttl_s: float) -> float | None:
+        """Writes a lease for `token` (expiring in `ttl_s`) unless another live one holds the
+        entry; its expiry time, or None when another holds it."""
+        with self.disk.locked(exclusive=True):
+            now = time.time()
+            held = self.holder(digest)
+            if held is not None and held[0] != token and held[1] > now:
+                return None
+            expires = now + ttl_s
+            body = json.dumps({"format": LEASE_FORMAT, "digest": digest, "token": token, "expires_at": expires,
+                               "host": socket.gethostname(), "pid": os.getpid()}).encode("utf-8")
+            # Replaced atomically, so a reader sees a whole lease or none; not fsynced: a lease lost
+            # in a crash only lets another worker compute the entry too.
+            tmp = self.disk.root / f"{TMP_PREFIX}{digest}.lease.{os.getpid()}.{secrets.token_hex(4)}"
+            try:
+                tmp.write_bytes(body)
+                os.utime(tmp, (expires, expires))  # mtime = expiry: refresh collects lapsed files by stat
+                os.replace(tmp, self._path(digest))
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            return expires
+
+    def release(self, digest: str, token: str) -> bool:
+        """Deletes the lease file if `token` still holds it; False otherwise."""
+        with self.disk.locked(exclusive=True):
+            held = self.holder(digest)
+            if held is None or held[0] != token:
+                return False
+            self._path(digest).unlink(missing_ok=True)
+            return True

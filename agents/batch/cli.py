@@ -28,7 +28,9 @@ answer, steps, error, attempts, worker, seconds, forwards by kind, and two count
 - `store_lookups`: the store's own counters over the task (hits, misses, and the Redis tier's
   remote_hits, remote_misses): every lookup of any entry (canonical KV, patches, page pixels,
   vision-tower outputs), the task's own writes read back included, so its hits can exceed
-  `chunks_from_store` even on an empty store.
+  `chunks_from_store` even on an empty store; and its lease counters (lease_waits: entries
+  another worker was computing when this task asked, lease_hits: those it then read from that
+  worker instead of computing, lease_takeovers: those it computed after all).
 `--quiet` prints no progress: no task bar, and the workers load their model without its
 progress bars. A failed task is retried once on the next free worker; the rest
 go on. A line of the task file that cannot be used gives a failed record saying what to fix, and so

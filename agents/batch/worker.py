@@ -74,8 +74,10 @@ def worker_store_location(config: WorkerConfig, worker_id: int) -> tuple[str | N
 
 
 def _store_counters(store: Any) -> dict[str, int]:
+    """The store's lookup counters, and its lease counters: waits on another worker computing the
+    same entry, those it served (a compute this worker did not run), and takeovers."""
     stats = store.stats()
-    names = ("hits", "misses", "remote_hits", "remote_misses")
+    names = ("hits", "misses", "remote_hits", "remote_misses", "lease_waits", "lease_hits", "lease_takeovers")
     return {n: int(getattr(stats, n)) for n in names if hasattr(stats, n)}
 
 

@@ -108,7 +108,9 @@ def test_result_lines_name_what_each_store_count_counts(reference):
     for i in range(12):
         r = records[f"t{i:02d}"]
         assert "store_hits" not in r and "store" not in r
-        assert set(r["store_lookups"]) == {"hits", "misses", "remote_hits", "remote_misses"}
+        assert set(r["store_lookups"]) == {"hits", "misses", "remote_hits", "remote_misses", "lease_waits",
+                                           "lease_hits", "lease_takeovers"}
+        assert r["store_lookups"]["lease_waits"] == 0  # one worker: nobody else holds a lease
         assert r["store_lookups"]["hits"] >= r["chunks_from_store"] and r["store_lookups"]["misses"] >= r["encodes"]
     first, again = records["t00"], records["t09"]  # the same PDF and the same moves
     assert first["chunks_from_store"] == 0 and first["store_lookups"]["hits"] > 0  # its own pages read back

@@ -18,7 +18,13 @@ always gets the cold first run:
 Figures (JSON with `--json FILE`):
 - encodes_shared / encodes_private: canonical encodes summed over tasks, from each task's window
   stats (`stats.forwards["encode"]`); `distinct_chunks` is the number of different pages, the
-  least any run must encode;
+  least any run must encode. A shared run encodes each distinct page once when the window's
+  canonical encodes go through the store's lease (`ChunkStore.get_or_compute`): two workers
+  opening the same new page at once then encode it once, the other waits for its entry;
+- lease_waits_shared / lease_hits_shared / lease_takeovers_shared: the shared store's lease
+  counters summed over the tasks of the first shared repeat: a worker asking for an entry another
+  worker was computing, the entry then read from that worker (a compute it did not run), or
+  computed after all (the holder's lease lapsed or ran out of time); *_runs: every repeat's;
 - remote_hit_rate: with Redis, remote hits / (remote hits + remote misses) of the shared run (the
   store's counters, summed over tasks); with a directory, the shared directory's hit rate for
   canonical KV instead: store hits / (store hits + encodes) (`hit_rate_kind` says which);
@@ -223,6 +229,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "encodes_shared_runs": [x["total"]["encodes"] for x in runs["shared"]],
         "encodes_private_runs": [x["total"]["encodes"] for x in runs["private"]],
+        **{f"{k}_shared": leases(shared)[k] for k in LEASE_COUNTERS},
+        **{f"{k}_shared_runs": [leases(x)[k] for x in runs["shared"]] for k in LEASE_COUNTERS},
         **{f"{k}_{side}": v for side in ("shared", "private") for k, v in walls(runs[side]).items()},
         "tasks_per_worker_shared": per_worker(shared["records"]), "tasks_per_worker_private": per_worker(private["records"]),
         "remote_get_mb_s": get["mb_s"], "get_entries": get["entries"], "get_entry_mb": get["entry_mb"],
@@ -233,6 +241,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_runs": {side: [[x["loadavg_before"], x["loadavg_after"]] for x in runs[side]] for side in runs},
         "answers_agree": all(answers(x["records"]) == answers(shared["records"]) for side in runs for x in runs[side]),
     }
+
+
+LEASE_COUNTERS = ("lease_waits", "lease_hits", "lease_takeovers")
+
+
+def leases(run: dict[str, Any]) -> dict[str, int]:
+    """The store's lease counters of one run, summed over its tasks."""
+    lookups = run["total"]["store_lookups"]
+    return {k: int(lookups.get(k, 0)) for k in LEASE_COUNTERS}
 
 
 def walls(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -262,6 +279,8 @@ def format_table(r: dict[str, Any]) -> str:
         ("model / workers x threads", f"{r['model']} / {r['workers']} x {r['threads_per_worker']}"),
         ("tasks over documents", f"{r['tasks']} over {r['docs']} PDFs ({r['distinct_chunks']} distinct pages)"),
         ("encodes shared / private", f"{r['encodes_shared']} / {r['encodes_private']}"),
+        ("lease waits / hits / takeovers (shared)",
+         f"{r['lease_waits_shared']} / {r['lease_hits_shared']} / {r['lease_takeovers_shared']}"),
         ("hit rate (shared)", f"{rate} ({r['hit_rate_kind']})"),
         (f"tasks wall s shared / private, median of {r['repeats']}",
          f"{r['wall_s_shared']:.2f} / {r['wall_s_private']:.2f} (min {r['wall_s_min_shared']:.2f} / "

@@ -283,7 +283,7 @@ class RedisTier:
         try:
             client = self._conn()
             if self.cluster:
-                node = client.get_node_from_key(self.manifest_key(digest)).name
+                node = self._node(client, digest)
                 if not self._available(node):
                     return False, None
             out = fn()
@@ -292,6 +292,15 @@ class RedisTier:
             return False, None
         self._answered(node)
         return True, out
+
+    def _node(self, client: Any, digest: str) -> str:
+        """The cluster node serving `digest`'s slot, from the client's slot map (no round trip);
+        "slot N" when the map has no node for it, so that a fault there backs off that slot only."""
+        key = self.manifest_key(digest)
+        try:
+            return client.get_node_from_key(key).name
+        except self._redis.exceptions.SlotNotCoveredError:
+            return f"slot {client.keyslot(key)}"
 
     def _warn_corrupt(self, digest: str, status: str) -> None:
         with self._lock:
@@ -431,8 +440,12 @@ class RedisTier:
                     "nbytes": nbytes, "meta": json.loads(meta_json), "created": time.time()}
         body = _canonical(manifest)
         raw = body + b"\n" + (self._mac(digest, body, sha).encode() if self._secret is not None else b"")
-        ok, published = self._call("put", digest, lambda: self._upload(digest, token, parts)
-                                   or self._publish(digest, token, len(parts), raw))
+
+        def write() -> bool:
+            self._upload(digest, token, parts)
+            return self._publish(digest, token, len(parts), raw)
+
+        ok, published = self._call("put", digest, write)
         if not ok:
             return False
         if not published:

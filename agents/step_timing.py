@@ -110,10 +110,11 @@ def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int 
                   workdir: str | os.PathLike | None = None, guard: bool = False) -> dict[str, Any]:
     """One run of agent `kind` with the model deciding; every step's time, forward time and
     decoding figures (see the module docstring). The window has its default settings (`guard`:
-    with the patch guard on)."""
+    the patch policies' default, `agentwin.policies.DEFAULT_PATCH_POLICY`, with the patch guard on)."""
     from agents.loop import AgentLoop
     from agents.model import WindowDecider
     from agentwin import Window
+    from agentwin.policies import DEFAULT_PATCH_POLICY
 
     steps: list[dict[str, Any]] = []
     timer = ForwardTimer(km.model)
@@ -132,7 +133,9 @@ def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int 
     task = QUESTION if kind == "doc" else "Find out who the lighthouse keeper of Velmora is."
     try:
         with tempfile.TemporaryDirectory() as tmp, _environment(kind, Path(workdir or tmp), km) as env:
-            window = Window(km, budget_tokens=budget_tokens, guard=guard)
+            # The default window; with `guard`, the patch policies' default with the patch guard on.
+            window = Window(km, budget_tokens=budget_tokens, **({"patch": DEFAULT_PATCH_POLICY, "guard": True}
+                                                                 if guard else {}))
             result = AgentLoop(env, window, WindowDecider(max_new_tokens), task, max_steps=max_steps,
                                on_step=on_step, keep_relevant=True).run()  # as `agentwin doc | web` run
     finally:

@@ -1,68 +1,190 @@
-"""Patch policies: what a chunk in the window gets at an antecedent it has no stored patch for.
+"""Placement policies: what a chunk gets at a placement whose own KV the window does not have.
 
-One small object per policy behind one interface, chosen by `Window(patch=...)`:
-- `none` (`Blind`): blind reuse, canonical KV only, no patch ever;
-- `origin` (`Origin`): the patch fitted when the chunk was appended, as an approximation;
-- `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every antecedent measured;
-- `fresh` (`Fresh`): a conditioned pass for every new antecedent (costs that pass);
+The window first serves a chunk's in-context KV for its very placement where it holds it (and,
+for the exact and survive policies, where the store keeps it by placement key, `agentwin.window`);
+only a placement without it comes here. One small object per policy behind
+one interface (`place`: approximate KV for the placement, or None to compute it there; `passed`:
+told of each pass the window ran), chosen by `Window(patch=...)`:
+- `exact` (`Exact`, the default): compute it, after the chunks before it: the window then
+  reproduces a re-prefill;
+- `survive` (`Survive`): the chunk's KV from its last placement, moved by RoPE re-rotation
+  (StreamingLLM-style survival: what it read before stays in it);
+- `none` (`Blind`): blind reuse, the chunk's canonical KV (encoded alone) only, never a pass;
+- `origin` (`Origin`): canonical KV plus the patch fitted at the chunk's first pass, as an
+  approximation; `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every
+  antecedent measured; `fresh` (`Fresh`): a pass (and a patch fit) for every new antecedent;
 - `origin-neighbour` (`OriginNeighbour`): the origin patch only after the same last chunk as at
   its origin, else blind reuse; `origin-present` (`OriginPresent`): the origin patch only while
   every chunk before it at its origin is before it still, else blind reuse; `origin-either`
   (`OriginEither`): the origin patch where either holds; `origin-similar` (`OriginSimilar`): as
   `origin-either`, and also after a new neighbour whose key summary is close to the one it had at
   its origin (cosine of mean canonical keys at least `SIMILAR`, no forward); `origin-akin`
-  (`OriginAkin`, the window's default): as `origin-similar`, and also behind a new neighbour at
-  least as close to the old one as the chunk's own summary is. Stale-patch guards, measured by
-  `agentwin bench fidelity` (SmolLM2) and `agentwin bench eval` (the binding model).
-With exact patches (`rank=None`) every policy but `none` runs the conditioned pass, so the window
-reproduces a re-prefill. A chunk at the front of the window never takes a patch: its canonical KV
-is exact there (an origin patch there was measured on SmolLM2 after a slide at KL 3.15 against 0.13
-without: the first token stops acting as the attention sink).
+  (`OriginAkin`): as `origin-similar`, and also behind a new neighbour at least as close to the
+  old one as the chunk's own summary is. Stale-patch guards, measured by `agentwin bench
+  fidelity` (SmolLM2) and `agentwin bench eval` (the binding model).
+The patch policies compute a chunk's first placement (its in-context pass, from which its patch
+is fitted) and, with exact patches (`rank=None`), every new placement. A chunk at the front of
+the window never takes a patch: its canonical KV is exact there (an origin patch there was
+measured on SmolLM2 after a slide at KL 3.15 against 0.13 without: the first token stops acting
+as the attention sink).
 
-The policies call the window's own patch operations (`_conditioned_patch`, `_io.stored_patch`,
-`_hold`); they are part of the window, split out so that each policy is read in one place.
+The policies read the window's chunk records and call its store access (`_io`), `_hold`
+(canonical KV) and `_earlier_kv`; they are part of the window, split out so that each policy is
+read in one place.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from agentwin.models.kv import relocate_kv
+from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.orbit import Orbit
-from agentwin.window_fit import budget_bytes, layer_ranks
+from agentwin.window_fit import budget_bytes, fit_patch, layer_ranks
 from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 
 if TYPE_CHECKING:  # pragma: no cover
     from agentwin.window import Window
 
+DEFAULT_POLICY = "exact"
+# The patch policy the patch studies and `agentwin bench fidelity` take when none is named: chosen
+# there among the stale-patch guards on validation (docs/results/FIDELITY.md).
+DEFAULT_PATCH_POLICY = "origin-akin"
 
-class PatchPolicy:
-    """Base: conditioned pass when exact, else the origin patch."""
+
+@dataclass(frozen=True, slots=True)
+class Approx:
+    """KV served at a placement without computing it there: `kv` token-major per layer in the
+    frame its keys were rotated for, placed by `shift` positions, plus `patch` (in that frame) or
+    None. `exact`: it is the model's own KV there all the same (canonical KV at the front);
+    `stale`: a patch fitted after another antecedent than the one the chunk has now."""
+
+    kv: Sequence[LayerKV]
+    shift: int
+    patch: kp.ChunkPatch | None = None
+    exact: bool = False
+    stale: bool = False
+    first: bool = False  # the chunk's first placement, its KV computed (encoded) for it: not a relocation
+
+
+class Exact:
+    """Compute every placement the window does not hold (the default)."""
+
+    name = "exact"
+    patches = False  # whether passes fit patches (and canonical KV is encoded) for later placements
+    eager = False  # whether append runs the chunk's first pass at once (else the next read does)
+    placed = True  # whether in-context KV is kept and served by placement key (`agentwin.prefix`)
+
+    def place(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
+        return None
+
+    def passed(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence, kv: list[LayerKV],
+               probed: tuple | None, first_pass: bool) -> None:
+        """The window computed `chunk` at `pl` (its first pass when `first_pass`)."""
+
+
+class Survive(Exact):
+    """A chunk computed before keeps that KV when the chunks before it change: it is moved to its
+    new start by RoPE re-rotation (exact algebra) with no repair, as StreamingLLM keeps the KV of
+    the tokens that stay in its window. What it read from chunks that left stays in it."""
+
+    name = "survive"
+
+    def place(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
+        earlier = window._earlier_kv(chunk)
+        if earlier is None:
+            return None
+        kv, start = earlier
+        return Approx(kv, pl.start - start)
+
+
+class PatchPolicy(Exact):
+    """Base of the patch policies: the first placement computed, later ones served as canonical
+    KV plus the patch stored for that antecedent, else the origin patch (or, with exact patches,
+    a pass)."""
 
     name = ""
-    patches = True  # whether chunks after the front take patches at all
+    patches = True
+    eager = True  # the origin patch is fitted from the pass after the chunks it was appended behind
+    # A chunk away from the placement it holds KV for is served as canonical KV + patch, as these
+    # policies are measured (`agentwin bench fidelity`, the patch studies), never from in-context
+    # KV kept by placement.
+    placed = False
+
+    def place(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
+        if not antecedent_ids:  # canonical KV is the chunk's own prefill at the front
+            if chunk.origin is None:
+                self.originate(window, chunk, ())
+            return Approx(window._hold(chunk), pl.start, exact=pl.start == 0)
+        antecedent = window._keys(antecedent_ids)
+        found = window._io.stored_patch(chunk, antecedent)
+        if found is not None:  # fitted here before (by this window or another on the store)
+            if chunk.origin is None:
+                self.originate(window, chunk, antecedent_ids)
+            window._stats.patch_hits += 1
+            return Approx(window._hold(chunk), pl.start, found)
+        if chunk.origin is None:
+            return None  # its first pass: the patch is fitted from it
+        window._stats.patch_misses += 1
+        if self.computes(window):
+            return None
+        patch, stale = self.unseen(window, chunk, antecedent_ids)
+        return Approx(window._hold(chunk), pl.start, patch, stale=stale)
+
+    def originate(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> None:
+        """The chunk's first placement: its origin (the antecedent its origin patch is for) and the
+        key summary of its neighbour there."""
+        chunk.origin = window._keys(antecedent_ids)
+        chunk.neighbour = window._summary(window._chunks[antecedent_ids[-1]]) if antecedent_ids else None
+        if not antecedent_ids:
+            self.measured(window, chunk, (), None)
+
+    def computes(self, window: Window) -> bool:
+        """Whether an antecedent with no stored patch is computed (a pass) instead of approximated."""
+        return window.rank is None
+
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> tuple[kp.ChunkPatch | None, bool]:
+        """(patch, stale) for an antecedent with no stored patch: the origin patch, stale."""
+        patch = window._io.stored_patch(chunk, chunk.origin) if chunk.origin else None
+        return patch, patch is not None
+
+    def passed(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence, kv: list[LayerKV],
+               probed: tuple | None, first_pass: bool) -> None:
+        """Canonical KV (the pass itself at the front) and the patch for this antecedent."""
+        if first_pass:
+            chunk.neighbour = window._summary(window._chunks[antecedent_ids[-1]]) if antecedent_ids else None
+        if not antecedent_ids and pl.start == 0:
+            if chunk.canonical is None:
+                chunk.canonical = window._io.load_canonical(chunk.key, int(chunk.ids.numel())) or \
+                    window._io.put_canonical(chunk, kv)
+            self.measured(window, chunk, (), None)
+            return
+        if not antecedent_ids:
+            return
+        antecedent = window._keys(antecedent_ids)
+        if window._io.stored_patch(chunk, antecedent) is None:
+            window._io.keep_patch(chunk, antecedent, fit_patch(window, chunk, antecedent, kv, pl.start, probed))
 
     def measured(self, window: Window, chunk: Any, antecedent: tuple, deltas: Sequence | None) -> None:
         """A deficit of `chunk` after `antecedent` was measured (None: the chunk first, zero)."""
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        """The patch for an antecedent with no stored patch (may run a conditioned pass)."""
-        if window.rank is None:
-            return window._conditioned_patch(chunk, antecedent_ids)
-        patch = window._io.stored_patch(chunk, chunk.origin)
-        if patch is not None:  # fitted after the origin, served after another antecedent
-            window._stats.stale_patches += 1
-        return patch
-
 
 class Blind(PatchPolicy):
+    """Blind reuse: every placement is the chunk's canonical KV moved there, never a pass."""
+
     name, patches = "none", False
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> None:
-        return None
+    def place(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
+        first = chunk.origin is None
+        if first:
+            chunk.origin = window._keys(antecedent_ids)
+        return Approx(window._hold(chunk), pl.start, exact=not antecedent_ids and pl.start == 0, first=first)
+
+    def passed(self, *args: Any) -> None:
+        pass
 
 
 class Origin(PatchPolicy):
@@ -75,9 +197,9 @@ class OriginNeighbour(PatchPolicy):
 
     name = "origin-neighbour"
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        if window.rank is not None and (not chunk.origin or window._keys(antecedent_ids[-1:]) != chunk.origin[-1:]):
-            return None
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> tuple[kp.ChunkPatch | None, bool]:
+        if not chunk.origin or window._keys(antecedent_ids[-1:]) != chunk.origin[-1:]:
+            return None, False
         return super().unseen(window, chunk, antecedent_ids)
 
 
@@ -87,9 +209,9 @@ class OriginPresent(PatchPolicy):
 
     name = "origin-present"
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        if window.rank is not None and not set(chunk.origin) <= set(window._keys(antecedent_ids)):
-            return None
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> tuple[kp.ChunkPatch | None, bool]:
+        if not set(chunk.origin) <= set(window._keys(antecedent_ids)):
+            return None, False
         return super().unseen(window, chunk, antecedent_ids)
 
 
@@ -105,9 +227,9 @@ class OriginEither(PatchPolicy):
         keys = window._keys(antecedent_ids)
         return bool(chunk.origin) and keys[-1:] != chunk.origin[-1:] and not set(chunk.origin) <= set(keys)
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        if window.rank is not None and self.declines(window, chunk, antecedent_ids):
-            return None
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> tuple[kp.ChunkPatch | None, bool]:
+        if self.declines(window, chunk, antecedent_ids):
+            return None, False
         return super().unseen(window, chunk, antecedent_ids)
 
 
@@ -138,7 +260,7 @@ class OriginSimilar(OriginEither):
         origin; -1 when it had none."""
         if chunk.neighbour is None or not antecedent_ids:
             return -1.0
-        now = window._chunks[antecedent_ids[-1]].summary
+        now = window._summary(window._chunks[antecedent_ids[-1]])
         return float(layer_cosine(now, chunk.neighbour[None])[0])
 
     def declines(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> bool:
@@ -164,24 +286,24 @@ class OriginAkin(OriginSimilar):
 
     name = "origin-akin"
 
-    def own_similarity(self, chunk: Any) -> float:
+    def own_similarity(self, window: Window, chunk: Any) -> float:
         """Cosine of the chunk's own key summary with its neighbour's at its origin; 2 (never
         reached) when it had none."""
         if chunk.neighbour is None:
             return 2.0
-        return float(layer_cosine(chunk.summary, chunk.neighbour[None])[0])
+        return float(layer_cosine(window._summary(chunk), chunk.neighbour[None])[0])
 
     def declines(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> bool:
         return (OriginEither.declines(self, window, chunk, antecedent_ids)
-                and not serves_akin(self.similarity(window, chunk, antecedent_ids), self.own_similarity(chunk),
+                and not serves_akin(self.similarity(window, chunk, antecedent_ids), self.own_similarity(window, chunk),
                                     self.threshold))
 
 
 class Fresh(PatchPolicy):
     name = "fresh"
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch:
-        return window._conditioned_patch(chunk, antecedent_ids)
+    def computes(self, window: Window) -> bool:
+        return True
 
 
 class OrbitPolicy(PatchPolicy):
@@ -192,17 +314,15 @@ class OrbitPolicy(PatchPolicy):
             chunk.orbit = Orbit.of(window._hold(chunk))
         chunk.orbit.add(antecedent, deltas)
 
-    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> kp.ChunkPatch | None:
-        if window.rank is None or chunk.orbit is None:
+    def unseen(self, window: Window, chunk: Any, antecedent_ids: Sequence) -> tuple[kp.ChunkPatch | None, bool]:
+        if chunk.orbit is None:
             return super().unseen(window, chunk, antecedent_ids)
         held = window._hold(chunk)
         patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held), window.storage)
         if fitted:
             window._stats.patch_bytes += patch.nbytes
             window._stats.patched_kv_bytes += budget_bytes(1.0, held)
-        if window._keys(antecedent_ids) not in chunk.orbit.seen:
-            window._stats.stale_patches += 1
-        return patch
+        return patch, window._keys(antecedent_ids) not in chunk.orbit.seen
 
     def sample_orders(self, window: Window, orders: int, seed: int) -> int:
         """`Window.fit_orbit`: the deficits of the window's chunks under `orders` random orders
@@ -233,9 +353,10 @@ class OrbitPolicy(PatchPolicy):
         return len(seen)
 
 
-POLICY_TYPES = {p.name: p for p in (Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
+POLICY_TYPES = {p.name: p for p in (Exact, Survive, Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
                                      OriginEither, OriginSimilar, OriginAkin)}
 POLICIES = tuple(POLICY_TYPES)
+PATCH_POLICIES = tuple(name for name, p in POLICY_TYPES.items() if issubclass(p, PatchPolicy))  # canonical KV + patch
 
 
 def eviction_plan(order: Sequence, sizes: dict, pinned: set, used: dict, eviction: str, excess: int,

@@ -1,39 +1,36 @@
 """The reversible window: ordered chunks whose KV is read in place by segment attention.
 
-Each chunk is encoded once alone (canonical KV, chunk-local frame, held by the store). Its KV in
-the window is `R(start) · (canonical + patch)`, where the patch restores what its antecedent (the
-chunks before it) told it; attention applies R(start) to the few query rows instead of the keys
-(`agentwin.models.segments`), so placing, moving and recalling a chunk writes no KV bytes. Patches
-are keyed by the antecedent's chunk keys, so returning to a state seen before (a recall to the old
-slot) finds its patch again.
+A chunk's KV in the window is its in-context KV: its prefill after the chunks before it. That KV
+depends on the chunk and on everything before it, so the store keeps it under a placement key
+that chains both (`agentwin.prefix`): whenever a chunk is read after the same chunks again (a
+recall to its old slot, a slide back to an earlier window, another window, process or worker on
+the same store) its KV is served from there, exactly, with no forward.
 
-Append runs the chunk's in-context pass (its ordinary prefill, after the window read in place)
-and serves that exact KV while the chunk keeps its place and antecedent; the patch for later
-placements is fitted from that same pass. The canonical encode runs once per content (for the
-first chunk of a window it is the in-context pass itself). A chunk whose canonical KV and patch
-for this very antecedent are already stored is appended with no forward at all.
+Work is lazy and paid once. `append`, `evict`, `recall`, `reorder` and `slide` only edit the
+order. A read (`next_token_logprobs`, `generate`, ...) walks the order: each chunk whose KV for
+its placement is held or stored is served in place; the others are computed, after what is
+before them, in as few forwards as possible, the read's query in the same forward as the chunks
+that wait at the end; tokens computed before after the same prefix (the longest common token
+prefix with an earlier chunk or read, `agentwin.prefix.PrefixIndex`) are not computed again. So
+the default window (`patch="exact"`) reproduces a re-prefill of its tokens and never forwards
+more than prefix caching would on the same session: what a slide or a recall invalidates is
+recomputed (and counted as "recompute"), nothing else.
 
-Patch policies (`agentwin.policies`): "none" (blind), "origin" (the patch fitted at append, also
-for antecedents never seen; "origin-neighbour" / "origin-present" / "origin-either" limit that),
-"origin-similar" (the origin patch while its antecedent is still before it, behind the same
-neighbour, or behind a neighbour whose key summary is close to that one's; blind reuse otherwise,
-where a stale patch was measured worse than none), "origin-akin" (the default: as
-"origin-similar", and also behind a neighbour at least as close to that one as the chunk itself
-is, a yardstick that moves with the model), "orbit", "fresh" (a conditioned
-pass per new antecedent). Patches are fitted within a byte budget, 6% of the chunk's
-canonical KV by default (`patch_bytes`), spread over layers, mixed int8 / 4-bit factors (`agentwin.window_fit`
-has the fits and why they are the defaults); `rank=None`: exact (full-rank, float32) patches, the
-window then reproduces a re-prefill. The patch guard keeps a low-rank patch only where it beats
-blind reuse on the chunk's last rows (`guard="auto"`, the default: on below a 6% byte budget and
-for rank=N windows); `max_kl=x` fits each text chunk's patch for a KL target on those rows
-instead (`agentwin.guard`).
+Approximate placements trade fidelity for work (`agentwin.policies`): "survive" keeps a chunk's
+KV from its last placement and moves it by RoPE re-rotation when chunks before it change
+(StreamingLLM-style survival); "none" (blind reuse), "origin", "origin-akin" and the other origin
+variants, "orbit" and "fresh" serve a chunk's canonical KV (encoded alone, chunk-local frame)
+placed by a shift plus a low-rank antecedent patch fitted from its pass (`agentwin.window_fit`:
+within `patch_bytes`, 6% of the chunk's canonical KV by default; `rank=None`: exact, full-rank
+patches). Attention applies the shift to the few query rows instead of the keys
+(`agentwin.models.segments`), so placing, moving and recalling write no KV bytes. Where a
+placement's exact KV is stored, every policy serves it.
 
 Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
 window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
 recalled or `touch`ed least recently) until the new one fits; `slide()` does the same on demand.
-An evicted chunk leaves nothing in the window but its key and small metadata: its KV and patches
-stay in the store's tiers under the store's budgets, and a recall reads them back (or encodes the
-chunk again, counted, if the store dropped it).
+An evicted chunk leaves nothing in the window but its key and small metadata: its KV stays in the
+store's tiers under the store's budgets.
 """
 
 from __future__ import annotations
@@ -45,10 +42,13 @@ import torch
 
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
 from agentwin.models.adapter import ChunkInput, KameraModel
-from agentwin.models.kv import LayerKV
-from agentwin.policies import POLICIES, POLICY_TYPES, eviction_plan
+from agentwin.models.kv import LayerKV, relocate_kv
+from agentwin.models.vision import TextChunk
+from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Approx, eviction_plan
+from agentwin.prefix import Piece, PrefixIndex, placement_key, root_key
 from agentwin.store import ChunkKey, ChunkStore
-from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, key_summary, timed
+from agentwin.window_chunk import (ChunkId, ChunkRecord, Held, Placement, check_invariants, held_bytes, key_summary,
+                                   timed)
 from agentwin.window_fit import BUDGET, fit_patch, patch_settings
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
@@ -57,44 +57,42 @@ from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
 EVICTION = ("fifo", "lru")
+Layers = list[list[Segment]]  # per decoder layer, the segments read so far
 
 
 class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
-    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = "origin-akin",
+    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = DEFAULT_POLICY,
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "auto",
                  evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
                  patch_bytes: float | None = None) -> None:
-        """store: where canonical KV and patches live, shared by every window (and process, with a
-        disk root) that uses it; default a private RAM-only store. Same content under the same model
-        is encoded once. evict: "fifo" or "lru", which unpinned chunk the budget drops first.
-        Patches (`agentwin.window_fit`): rank "budget" (each chunk's patch at most `patch_bytes`,
-        default 0.06, of its canonical KV bytes), an int (the bytes of that rank in every layer) or
-        None (exact); fit "residual" (the default: ranks spread over layers and K/V by the error
-        each block leaves where its layer's attention output lands in the residual stream,
-        through the layer's output projection, relative to the stream's size there in the chunk's
-        pass; keys in the metric of the chunk's own queries), "output" (the same in the attention
-        output itself, relative to the layer's), "output-half" / "output-abs" (each layer's
-        error by the root of its scale / absolute), "alloc" (spread by each block's relative error), "svd"
-        or "query" (one rank everywhere); storage "int8", "mixed" (int8 for each block's leading
-        components, 4 bits packed two to a byte for the rest, split by the allocator; byte-budget
-        allocator fits only), "auto" (mixed where the allocator sets the ranks, else int8), "fp16",
-        "bf16" or "fp32". guard: keep a patch only where it beats blind reuse (`agentwin.guard`; not for
-        exact patches or MLA): True, False or "auto" (on below a 6% byte budget, where the fit
-        alone was measured worse than blind reuse, and for rank=N windows; off at the default
-        budget, where it changed nothing measured and costs a document step 20-70% more,
-        `agentwin bench steps --guard`; `agentwin.window_fit.GUARD_BELOW`). max_kl: next-token KL (nats) a text chunk's patch must reach on its last rows:
-        blind reuse, then the window's fit within `patch_bytes`, √2 times that and so on until one
-        does (the lowest-KL option tried is kept; `agentwin.guard.fit_to_kl`)."""
+        """store: where KV lives (in-context KV by placement, canonical KV, patches), shared by
+        every window (and process, with a disk root or a Redis tier) that uses it; default a
+        private RAM-only store. patch: "exact" (the default) or an approximate policy
+        (`agentwin.policies`). evict: "fifo" or "lru", which unpinned chunk the budget drops first.
+        The rest sets the patches of the patch policies (`agentwin.window_fit`): rank "budget"
+        (each chunk's patch at most `patch_bytes`, default 0.06, of its canonical KV bytes), an int
+        (the bytes of that rank in every layer) or None (exact patches); fit (how the bytes are
+        spread, "residual" by default), storage (the factors' form, "auto"), guard (keep a patch
+        only where it beats blind reuse, `agentwin.guard`) and max_kl (a next-token KL target per
+        text chunk instead of a byte budget)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if patch not in POLICIES:
             raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
         settings = patch_settings(km, rank, patch_bytes, storage, guard, max_kl, fit)
+        given = [name for name, value, default in (("rank", rank, BUDGET), ("patch_bytes", patch_bytes, None),
+                                                   ("storage", storage, "auto"), ("guard", guard, "auto"),
+                                                   ("max_kl", max_kl, None), ("fit", fit, "residual"))
+                 if value != default and not (name == "rank" and value is None)]
+        if given and patch not in PATCH_POLICIES:
+            raise ValueError(f"{', '.join(given)} set(s) the patches of a patch policy, and patch={patch!r} fits none; "
+                             f"pass patch='origin-akin' (or another patch policy: {', '.join(PATCH_POLICIES)}) "
+                             "to use them")
         if evict not in EVICTION:
             raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
-        if not isinstance(budget_tokens, int) or budget_tokens < 1:
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
         if store is not None and not isinstance(store, ChunkStore):
             raise TypeError(f"store must be an agentwin.store.ChunkStore or None, got {type(store).__name__}")
@@ -117,48 +115,42 @@ class Window:
         self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
         self._io = WindowIO(km, self.store, self._stats, settings)
         self.encoder = self._io.encoder
+        self._root = root_key(km.fingerprint, self.store.tenant)
+        self._index = PrefixIndex()
 
     # ---- operations ---------------------------------------------------------------------------
 
     @timed
     def append(self, content: Content, pin: bool = False) -> ChunkId:
         """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
-        evicts the oldest unpinned chunks past `budget_tokens`. Runs the chunk's in-context pass
-        (and its canonical encode, once per content) unless the store already holds both its
-        canonical KV and its patch for this antecedent."""
+        evicts the oldest unpinned chunks past `budget_tokens`. The exact and survive policies run
+        no forward here: the chunk's pass (its prefill after the chunks before it) runs at the next
+        read, unless its KV for that placement is stored already. The patch policies run it now,
+        and fit the chunk's origin patch from it (a chunk the model cannot take then leaves the
+        window as it was)."""
         content = Text(content) if isinstance(content, str) else content
         inputs, key = model_inputs(self.km, self.store.tenant, content)  # raises before anything changes
         ids = self.km.ids(inputs)
         if ids.numel() > self.budget_tokens:
             raise ValueError(f"chunk of {ids.numel()} tokens exceeds budget_tokens={self.budget_tokens}")
         victims = self._slide_plan(int(ids.numel()))  # raises before anything changes
-        forwards = self._stats.num_forwards
-        stored = self._io.load_canonical(key, int(ids.numel()))
-        # Encoded before anything changes: a chunk the model cannot take leaves the window as it was.
-        fresh = self._encode(inputs, int(ids.numel())) if stored is None else None
         for victim in victims:
             self.evict(victim)
-        antecedent = self._keys(self._order)
-        chunk = ChunkRecord(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), antecedent, len(self._order))
-        start, first = self._span(self._order), self.tokens()
-        if stored is not None and (not antecedent or not self._policy.patches
-                                   or self._io.stored_patch(chunk, antecedent) is not None):
-            chunk.canonical = stored  # everything needed is stored: no forward
-        elif not self._policy.patches or not antecedent:
-            # Blind reuse, or nothing before it: the chunk alone is all there is to compute.
-            chunk.canonical = self._io.put_canonical(chunk, fresh)
-        else:
-            exact, probed = self._pass(chunk, self._order, start, first, "in_context")
-            chunk.exact = (antecedent, start, exact)
-            chunk.canonical = stored if stored is not None else self._io.put_canonical(chunk, fresh)
-            self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start, probed))
-        if self._stats.num_forwards != forwards:
-            chunk.served = (antecedent, start)  # computed here: not a reuse
-        chunk.summary = key_summary(chunk.canonical)
-        chunk.neighbour = self._chunks[self._order[-1]].summary if self._order else None
+        chunk = ChunkRecord(ChunkId(self._next_id), key, inputs, ids, self.km.span(inputs), len(self._order))
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         self._order.append(chunk.id)
+        if self._policy.eager:
+            try:
+                self._read(list(self._order), count=False)
+            except Exception:
+                self._order.pop()
+                del self._chunks[chunk.id]
+                for victim in reversed(victims):  # back where they were, their KV in the store
+                    self._order.insert(min(self._chunks[victim].slot, len(self._order)), victim)
+                    self._io.restore_pixels(self._chunks[victim])
+                    self._stats.evictions -= 1
+                raise
         self._touch(chunk.id)
         if pin:
             self._pinned.add(chunk.id)
@@ -172,7 +164,7 @@ class Window:
         index = self._order.index(chunk_id)
         chunk = self._chunks[chunk_id]
         chunk.slot = index
-        chunk.canonical = chunk.exact = chunk.served = None
+        chunk.canonical = chunk.held = chunk.served = None
         chunk.patches.clear()
         self._io.spill_pixels(chunk)
         self._order.pop(index)
@@ -229,6 +221,7 @@ class Window:
             raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
         if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
             raise ValueError(f"orders must be a positive int, got {orders!r}")
+        self.materialize()  # every chunk's first pass (and its origin patch) before the orders
         return self._policy.sample_orders(self, orders, seed)
 
     @timed
@@ -244,10 +237,32 @@ class Window:
         self._pinned.add(chunk_id)
         self._touch(chunk_id)
 
+    @timed
+    def materialize(self) -> None:
+        """Run now the passes the next read would run (every chunk's KV for its placement), so a
+        later read pays only for its query."""
+        self._read(list(self._order))
+
+    @timed
+    def segments(self) -> list[list[Segment]]:
+        """Per decoder layer, the segments a read attends to, in window order (`Segment`: each
+        chunk's KV where the window or the store holds it, its placement shift and patch), after
+        running the passes the window owes. For inspection and benchmarks: nothing is copied."""
+        cache, _, _ = self._read(list(self._order))
+        return [list(layer.segments) for layer in cache.layers]
+
     # ---- reading ------------------------------------------------------------------------------
 
     def chunks(self) -> list[ChunkId]:
         return list(self._order)
+
+    def __len__(self) -> int:
+        """Chunks in the window."""
+        return len(self._order)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        """Whether `chunk_id` is in the window now (an evicted or unknown id is not)."""
+        return chunk_id in self._order
 
     def chunk_tokens(self, chunk_id: ChunkId) -> int:
         """Tokens of a chunk, in the window or evicted."""
@@ -279,11 +294,11 @@ class Window:
     @timed
     def next_token_logprobs(self, query: str) -> torch.Tensor:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
-        read in place (segment attention)."""
+        read in place (segment attention); runs the passes the window still owes in the same
+        forward as the query."""
         ids = self._query_ids(query)
-        cache = self._cache(self._order)
-        logits = self.km.query_logits(cache, self._span(self._order), ids)
-        self._stats.count("query", int(ids.numel()))
+        cache, logits, tail = self._read(list(self._order), ids)
+        self._keep_tail(tail, ids, cache)
         return torch.log_softmax(logits, -1)
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
@@ -310,37 +325,43 @@ class Window:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self._query_ids(query)
-        seen = ids
-        cache = self._cache(self._order)
-        position, out, kind = self._span(self._order), [], "query"
+        if max_new_tokens == 0:
+            return []
+        cache, logits, tail = self._read(list(self._order), ids)
+        seen, out = ids, []
+        position = self._span(self._order) + int(ids.numel())
         eos = getattr(self.km.model.config, "eos_token_id", None)
         eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        for _ in range(max_new_tokens):
-            result = self.km.forward(ids, position, cache, logits_to_keep=1)
-            self._stats.count(kind, int(ids.numel()))
-            kind = "decode"
-            position += int(ids.numel())
-            scores = result.logits[:, -1].float()
+        scores = logits[None]
+        for step in range(max_new_tokens):
             if logits_processor is not None:
                 scores = logits_processor(seen[None], scores)
             token = int(scores[0].argmax())
             if token in eos:
                 break
             out.append(token)
-            if stop is not None and stop(out):
+            if (stop is not None and stop(out)) or step == max_new_tokens - 1:
                 break
-            ids = torch.tensor([token])
-            seen = torch.cat([seen, ids])
+            chosen = torch.tensor([token])
+            t0 = time.perf_counter()
+            result = self.km.forward(chosen, position, cache, logits_to_keep=1)
+            self._stats.count("decode", 1)
+            self._stats.seconds["decode"] += time.perf_counter() - t0
+            position += 1
+            seen = torch.cat([seen, chosen])
+            scores = result.logits[:, -1].float()
+        self._keep_tail(tail, seen, cache)
         return out
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
-        """`[layers, width]` float32: the chunk's canonical keys averaged over its tokens, one row
-        per layer (MLA: the latent c_KV). Chunks in or out of the window (evicted ones too), for
-        retrieval of earlier chunks by similarity to a question (`km.key_summary(ids)` gives the same
-        summary of any token ids)."""
+        """`[layers, width]` float32: the chunk's keys in its chunk-local frame averaged over its
+        tokens, one row per layer (MLA: the latent c_KV): of its canonical KV where the window has
+        it (patch policies), else of its in-context KV moved back to position 0. Chunks in or out
+        of the window; a chunk never computed is encoded alone for it (counted as "encode").
+        `km.key_summary(ids)` gives the same summary of any token ids encoded alone."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
-        return self._chunks[chunk_id].summary
+        return self._summary(self._chunks[chunk_id])
 
     def nearest(self, query: str, k: int = 1, among: Sequence[ChunkId] | None = None) -> list[tuple[ChunkId, float]]:
         """The `k` chunks (in the window or evicted; only `among` when given) whose key summaries
@@ -361,7 +382,7 @@ class Window:
             self._asked = (asked, self.km.key_summary(ids))
             self._stats.count("retrieval", int(ids.numel()))
         q = self._asked[1]
-        scores = layer_cosine(q, torch.stack([self._chunks[c].summary for c in candidates])).tolist()
+        scores = layer_cosine(q, torch.stack([self._summary(self._chunks[c]) for c in candidates])).tolist()
         ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
         return [(ChunkId(c), float(score)) for c, score in ranked[:k]]
 
@@ -377,7 +398,7 @@ class Window:
         if self.tokens() > self.budget_tokens and len(self._order) > len(self._pinned):
             raise RuntimeError("the window exceeds its token budget; this indicates a bug")
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- internals: order and bookkeeping -----------------------------------------------------
 
     def _keys(self, order: Sequence[ChunkId]) -> tuple[ChunkKey, ...]:
         return tuple(self._chunks[c].key for c in order)
@@ -387,6 +408,8 @@ class Window:
             raise ValueError(f"chunk {chunk_id!r} is not in the window (in window: {self._order})")
 
     def _query_ids(self, query: str) -> torch.Tensor:
+        if not isinstance(query, str):
+            raise TypeError(f"the query must be a str, got {type(query).__name__}")
         ids = self.km.tokenize(query)
         if ids.numel() == 0:
             raise ValueError("the query tokenizes to no tokens")
@@ -406,6 +429,18 @@ class Window:
         """Position units taken by `order` (where the next chunk or the query starts)."""
         return sum(self._chunks[c].span for c in order)
 
+    def _placements(self, order: Sequence[ChunkId]) -> list[Placement]:
+        """Where each chunk of `order` sits: its prefix's and its own placement keys, start, first."""
+        out, prefix, start, first = [], self._root, 0, 0
+        for index, cid in enumerate(order):
+            chunk = self._chunks[cid]
+            key = placement_key(prefix, chunk.key)
+            out.append(Placement(prefix, key, start, first, index))
+            prefix, start, first = key, start + chunk.span, first + int(chunk.ids.numel())
+        return out
+
+    # ---- internals: KV sources ----------------------------------------------------------------
+
     def _encode(self, inputs: ChunkInput, tokens: int) -> list[LayerKV]:
         """A chunk alone in its chunk-local frame (one forward, counted)."""
         t0 = time.perf_counter()
@@ -414,89 +449,262 @@ class Window:
         self._stats.seconds["encode"] += time.perf_counter() - t0
         return kv
 
-    def _pass(self, chunk: ChunkRecord, antecedent: Sequence[ChunkId], start: int, first: int, kind: str
-              ) -> tuple[list[LayerKV], tuple | None]:
-        """KV of `chunk` at `start` (token index `first`) read after `antecedent` in place: one
-        forward of the chunk's tokens (its prefill there), counted as `kind`. With the guard on,
-        also `(segments read, QueryProbe, first)` for `_fit_patch`, else None."""
-        t0 = time.perf_counter()
-        segments = self._segments(antecedent)
-        probe = self.settings.probe(int(chunk.ids.numel()))  # None unless the fit or guard reads the pass
-        kv = self.km.encode_after(segments, first, start, chunk.inputs, self._io.features, probe)
-        self._stats.count(kind, int(chunk.ids.numel()))
-        self._stats.seconds[kind] += time.perf_counter() - t0
-        return kv, (None if probe is None else (segments, probe, first))
-
-    def _fit_patch(self, chunk: ChunkRecord, antecedent: tuple[ChunkKey, ...], exact: list[LayerKV],
-                   start: int, probed: tuple | None = None) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent` from its KV computed there (`agentwin.window_fit`)."""
-        return fit_patch(self, chunk, antecedent, exact, start, probed)
-
-    def _conditioned_patch(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch:
-        """The patch of `chunk` after `antecedent_ids` from one conditioned pass, kept in the store;
-        the pass's exact KV is kept and served while the chunk stays at that place."""
-        antecedent = self._keys(antecedent_ids)
-        start = self._span(antecedent_ids)
-        first = sum(int(self._chunks[c].ids.numel()) for c in antecedent_ids)
-        exact, probed = self._pass(chunk, antecedent_ids, start, first, "conditioned")
-        self._stats.conditioned_passes += 1
-        chunk.exact = (antecedent, start, exact)
-        return self._io.keep_patch(chunk, antecedent, self._fit_patch(chunk, antecedent, exact, start, probed))
-
-    def _patch_for(self, chunk: ChunkRecord, antecedent_ids: Sequence[ChunkId]) -> kp.ChunkPatch | None:
-        """The stored patch for this antecedent, else the policy's (`agentwin.policies`); none at
-        the front of the window, where canonical KV is exact."""
-        antecedent = self._keys(antecedent_ids)
-        if not self._policy.patches or not antecedent:
-            return None
-        found = self._io.stored_patch(chunk, antecedent)
-        if found is not None:
-            self._stats.patch_hits += 1
-            return found
-        self._stats.patch_misses += 1
-        return self._policy.unseen(self, chunk, antecedent_ids)
-
     def _hold(self, chunk: ChunkRecord) -> list[LayerKV]:
-        """The chunk's canonical KV, read from the store when the window does not hold it (after
-        a recall), encoded again (counted) when the store no longer has it."""
+        """The chunk's canonical KV (patch policies), read from the store when the window does not
+        hold it, encoded (counted) when the store does not have it either."""
         if chunk.canonical is None:
             chunk.canonical = self._io.load_canonical(chunk.key, int(chunk.ids.numel()))
             if chunk.canonical is None:
                 chunk.canonical = self._io.put_canonical(chunk, self._encode(chunk.inputs, int(chunk.ids.numel())))
         return chunk.canonical
 
-    def _segments(self, order: Sequence[ChunkId]) -> list[list[Segment]]:
-        """Per layer, the segments of `order` as placed one after another from position 0: a
-        chunk's exact in-context KV where it still has the place and antecedent it was computed
-        for, else its canonical KV with the placement shift and its patch for that antecedent.
-        Nothing is copied."""
-        t0 = time.perf_counter()
-        layers: list[list[Segment]] = [[] for _ in self.km.specs]
-        start = first = 0
-        for index, cid in enumerate(order):
-            chunk = self._chunks[cid]
-            antecedent = self._keys(order[:index])
-            patch, forwards = None, self._stats.num_forwards
-            if chunk.exact is None or chunk.exact[:2] != (antecedent, start):
-                patch = self._patch_for(chunk, order[:index])  # may run a conditioned pass (sets exact)
-            if chunk.exact is not None and chunk.exact[:2] == (antecedent, start):
-                for layer, (k, v) in zip(layers, chunk.exact[2]):
-                    layer.append(Segment(k, v, first, 0))
+    def _earlier_kv(self, chunk: ChunkRecord) -> tuple[list[LayerKV], int] | None:
+        """The KV this chunk was last computed with (any placement) and the position it was
+        computed at: held by the window, else its last exact KV from the store; None if neither."""
+        if chunk.held is not None:
+            return chunk.held.kv, chunk.held.start
+        if chunk.last is not None:
+            kv = self._io.load_placed(chunk.last[0], int(chunk.ids.numel()))
+            if kv is not None:
+                return kv, chunk.last[1]
+        return None
+
+    def _summary(self, chunk: ChunkRecord) -> torch.Tensor:
+        if chunk.summary is None:
+            if chunk.canonical is not None:
+                chunk.summary = key_summary(chunk.canonical)
             else:
-                canonical = self._hold(chunk)
-                for i, (layer, (k, v)) in enumerate(zip(layers, canonical)):
-                    layer.append(Segment(k, v, first, start, None if patch is None else patch.layers[i]))
-                # Canonical KV is the chunk computed first at position 0: serving it there is no move.
-                moved = bool(antecedent) or start != 0
-                if moved and chunk.served != (antecedent, start) and self._stats.num_forwards == forwards:
+                earlier = self._earlier_kv(chunk)
+                if earlier is not None:
+                    kv, start = earlier
+                    chunk.summary = key_summary(relocate_kv(kv, self.km.specs, self.km.layout, -start))
+                else:
+                    chunk.summary = key_summary(self._encode(chunk.inputs, int(chunk.ids.numel())))
+        return chunk.summary
+
+    def _placed(self, chunk: ChunkRecord, pl: Placement, exact: bool) -> Held | None:
+        """KV of `chunk` computed for this very placement: held, or stored (the store keeps exact
+        KV only). Approximately computed KV is served only where the chunks before it are
+        approximate too (`exact` False)."""
+        held = chunk.held
+        if held is not None and held.key == pl.key and (held.exact or not exact):
+            return held
+        if not self._policy.placed:
+            return None
+        kv = self._io.load_placed(pl.key, int(chunk.ids.numel()))
+        if kv is None:
+            return None
+        self._stats.exact_hits += 1
+        self._stats.exact_hit_tokens += int(chunk.ids.numel())
+        chunk.held = Held(pl.key, pl.start, kv, True)
+        chunk.last = (pl.key, pl.start)
+        return chunk.held
+
+    # ---- internals: reads ---------------------------------------------------------------------
+
+    def _read(self, order: list[ChunkId], tail: torch.Tensor | None = None, count: bool = True) -> tuple:
+        """Segments for every chunk of `order`, computing the missing ones, then (with `tail`, the
+        query's ids) the query in the same cache. Returns (SegmentCache, last-row logits `[vocab]`
+        float32 or None, a `_Run` of the tail's forward or None). count=False: approximate and
+        stale placements are not counted (an eager append's pass is not a read)."""
+        t0 = time.perf_counter()
+        placements = self._placements(order)
+        layers: Layers = [[] for _ in self.km.specs]
+        exact, waiting = True, []  # waiting: (chunk, placement) to compute, right after `layers`
+        for cid, pl in zip(order, placements):
+            chunk = self._chunks[cid]
+            held = self._placed(chunk, pl, exact)
+            approx = None if held is not None else self._policy.place(self, chunk, pl, order[:pl.index])
+            if held is None and approx is None:
+                waiting.append((chunk, pl))
+                continue
+            if waiting:
+                self._compute(waiting, layers, exact, order)
+                waiting = []
+            if held is not None:
+                self._add(layers, held.kv, pl.first, pl.start - held.start)
+                chunk.served = None
+                exact = exact and held.exact
+            else:
+                self._add(layers, approx.kv, pl.first, approx.shift, approx.patch)
+                if count:
+                    self._stats.approximate += 1
+                    self._stats.stale_patches += int(approx.stale)
+                if chunk.served != pl.key and (approx.shift or pl.index) and not approx.first:
                     self._stats.relocations += 1
                     self._stats.relocated_tokens += int(chunk.ids.numel())
-            chunk.served = (antecedent, start)
-            start += chunk.span
-            first += int(chunk.ids.numel())
+                chunk.served = pl.key
+                exact = exact and approx.exact
         self._stats.seconds["segments"] += time.perf_counter() - t0
-        return layers
+        first = sum(int(self._chunks[c].ids.numel()) for c in order)
+        if tail is None:
+            if waiting:
+                self._compute(waiting, layers, exact, order)
+            return self.km.cache(layers, first), None, None
+        if waiting and self._per_chunk(waiting):
+            self._compute(waiting, layers, exact, order)
+            waiting = []
+        prefix = placements[-1].key if placements else self._root
+        if waiting:
+            run = self._forward_run(waiting, layers, exact, tail, waiting[0][1].prefix, waiting[0][1].first,
+                                    waiting[0][1].start)
+        else:
+            run = self._forward_run(waiting, layers, exact, tail, prefix, first, self._span(order))
+        self._settle(waiting, run, order)
+        run.prefix = prefix
+        return run.cache, run.logits, run
 
-    def _cache(self, order: Sequence[ChunkId]) -> object:
-        """A `SegmentCache` over `order`, its tail starting after the chunks' tokens."""
-        return self.km.cache(self._segments(order), sum(int(self._chunks[c].ids.numel()) for c in order))
+    @staticmethod
+    def _add(layers: Layers, kv: Sequence[LayerKV], first: int, shift: int = 0, patch: kp.ChunkPatch | None = None
+             ) -> None:
+        for i, (layer, (k, v)) in enumerate(zip(layers, kv)):
+            layer.append(Segment(k, v, first, shift, None if patch is None else patch.layers[i]))
+
+    def _kind(self, chunk: ChunkRecord) -> str:
+        """A pass's kind: a chunk's first ("in_context"), or a later one: "recompute" (the chunks
+        before it changed), "conditioned" under a patch policy (a pass for a new antecedent's patch)."""
+        if chunk.origin is None:
+            return "in_context"
+        return "conditioned" if self._policy.patches else "recompute"
+
+    def _per_chunk(self, waiting: list) -> bool:
+        """Whether the waiting chunks are computed one forward each: vision chunks, and the passes
+        a patch fit reads (queries, logits) of each chunk's own rows."""
+        return (self._policy.patches and self.settings.probed) or any(c.inputs.kind != "text" for c, _ in waiting)
+
+    def _compute(self, waiting: list, layers: Layers, exact: bool, order: Sequence[ChunkId]) -> None:
+        """Compute the waiting chunks after `layers` and append their segments to `layers`."""
+        if self._per_chunk(waiting):
+            for chunk, pl in waiting:
+                self._compute_one(chunk, pl, layers, exact, order)
+            return
+        pl = waiting[0][1]
+        run = self._forward_run(waiting, layers, exact, None, pl.prefix, pl.first, pl.start)
+        self._settle(waiting, run, order)
+        for chunk, pl in waiting:
+            self._add(layers, chunk.held.kv, pl.first)
+
+    def _compute_one(self, chunk: ChunkRecord, pl: Placement, layers: Layers, exact: bool,
+                     order: Sequence[ChunkId]) -> None:
+        """One chunk's pass after `layers` (with the probe a patch fit reads), then its segment."""
+        t0 = time.perf_counter()
+        n = int(chunk.ids.numel())
+        probe = self.settings.probe(n) if self._policy.patches else None
+        before = [list(layer) for layer in layers]
+        kv = self.km.encode_after(layers, pl.first, pl.start, chunk.inputs, self._io.features, probe)
+        kind = self._kind(chunk)
+        self._stats.count(kind, n)
+        self._stats.conditioned_passes += kind == "conditioned"
+        self._stats.seconds[kind] += time.perf_counter() - t0
+        self._keep(chunk, pl, kv, exact, order, (before, probe, pl.first) if probe is not None else None)
+        self._add(layers, chunk.held.kv, pl.first)
+
+    def _forward_run(self, waiting: list, layers: Layers, exact: bool, tail: torch.Tensor | None,
+                     prefix: ChunkKey, first: int, start: int) -> "_Run":
+        """One forward of the waiting text chunks' ids (then the tail's) after `layers`, placed at
+        token index `first` and position `start` right after the prefix `prefix`. Rows computed before after the same
+        prefix are reused instead (only when every chunk before is exact KV); a read computes its
+        last row at least, for the logits."""
+        t0 = time.perf_counter()
+        parts = [c.ids for c, _ in waiting] + ([tail] if tail is not None else [])
+        ids = torch.cat(parts)
+        chunk_rows = sum(int(c.ids.numel()) for c, _ in waiting)
+        pieces = self._index.match(prefix, ids, self._io.load_run) if exact and self._policy.placed else []
+        matched = sum(p.num_tokens for p in pieces)
+        keep = int(ids.numel()) - (1 if tail is not None else 0)
+        while matched > keep:
+            last = pieces.pop()
+            cut = min(last.num_tokens, matched - keep)
+            if last.num_tokens > cut:
+                pieces.append(Piece(last.kv, last.num_tokens - cut))
+            matched -= cut
+        served = [list(layer) for layer in layers]
+        at = first
+        for piece in pieces:
+            self._add(served, [(k[:piece.num_tokens], v[:piece.num_tokens]) for k, v in piece.kv], at)
+            at += piece.num_tokens
+        cache = self.km.cache(served, first + matched)
+        logits = None
+        if matched < ids.numel():
+            out = self.km.forward(TextChunk(ids[matched:]), start + matched, cache, logits_to_keep=1)
+            if tail is not None:
+                logits = out.logits[0, -1].float()
+            kinds: dict[str, int] = {}
+            offset = 0
+            for chunk, _ in waiting:
+                n = int(chunk.ids.numel())
+                fresh = offset + n - max(offset, matched)
+                if fresh > 0:
+                    kinds[self._kind(chunk)] = kinds.get(self._kind(chunk), 0) + fresh
+                offset += n
+            if tail is not None:
+                kinds["query"] = int(ids.numel()) - max(chunk_rows, matched)
+            self._stats.count_pass(kinds)
+        self._stats.matched_tokens += matched
+        self._stats.seconds["pass"] += time.perf_counter() - t0
+        return _Run(cache, logits, pieces, matched, chunk_rows, exact)
+
+    def _settle(self, waiting: list, run: "_Run", order: Sequence[ChunkId]) -> None:
+        """Keep each chunk the run computed (held; stored and indexed when exact)."""
+        offset = 0
+        for chunk, pl in waiting:
+            n = int(chunk.ids.numel())
+            self._keep(chunk, pl, run.rows(offset, offset + n), run.exact, order, None)
+            offset += n
+
+    def _keep(self, chunk: ChunkRecord, pl: Placement, kv: list[LayerKV], exact: bool, order: Sequence[ChunkId],
+              probed: tuple | None) -> None:
+        """A chunk's KV computed at `pl`: held, and kept in the store (and the prefix index) when
+        the chunks before it were exact; then the policy's fit from the pass (patch policies)."""
+        antecedent = self._keys(order[:pl.index])
+        first_pass = chunk.origin is None
+        if exact and self._policy.placed:
+            kv = self._io.put_placed(pl.key, kv, chunk.inputs.kind, pl.start)
+            if chunk.inputs.kind == "text":
+                self._index.add(pl.prefix, chunk.ids, child=pl.key)
+            chunk.last = (pl.key, pl.start)
+        chunk.held = Held(pl.key, pl.start, kv, exact)
+        if chunk.canonical is None:
+            chunk.summary = None  # from the newest KV when asked
+        if first_pass:
+            chunk.origin = antecedent
+        self._policy.passed(self, chunk, pl, order[:pl.index], kv, probed, first_pass)
+
+    def _keep_tail(self, run: "_Run | None", ids: torch.Tensor, cache: object) -> None:
+        """Index the read's tail (query and decoded tokens) after the window's prefix, so a read
+        repeating it (or a chunk continuing it) reuses those rows."""
+        if run is None or not run.exact or not self._policy.placed:
+            return
+        self._index.add(run.prefix, ids, kv=run.rows(run.chunk_rows, run.chunk_rows + int(ids.numel())))
+
+
+class _Run:
+    """One forward of a run of tokens (waiting chunks, then a read's tail): its cache, the last
+    row's logits (reads), and where each row's KV is: the first `matched` rows in `pieces` (computed
+    before after the same prefix), the rest in the cache's tail (which decoding extends)."""
+
+    def __init__(self, cache: object, logits: torch.Tensor | None, pieces: list[Piece], matched: int, chunk_rows: int,
+                 exact: bool) -> None:
+        self.cache, self.logits, self.pieces, self.matched = cache, logits, pieces, matched
+        self.chunk_rows, self.exact = chunk_rows, exact
+        self.prefix: ChunkKey | None = None  # the window's placement key, where the tail starts (reads)
+
+    def rows(self, a: int, b: int) -> list[LayerKV]:
+        """KV rows [a, b) of the run (offsets from its first token), owned contiguous copies."""
+        layers = len(self.pieces[0].kv) if self.pieces else len(self.cache.layers)
+        ks: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        vs: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        at = 0
+        for piece in self.pieces:
+            lo, hi = max(a, at), min(b, at + piece.num_tokens)
+            if lo < hi:
+                for i, (k, v) in enumerate(piece.kv):
+                    ks[i].append(k[lo - at:hi - at])
+                    vs[i].append(v[lo - at:hi - at])
+            at += piece.num_tokens
+        lo = max(a, self.matched)
+        if lo < b:
+            for i, (k, v) in enumerate(self.cache.tail_kv()):
+                ks[i].append(k[lo - self.matched:b - self.matched])
+                vs[i].append(v[lo - self.matched:b - self.matched])
+        return [(torch.cat(k).contiguous(), torch.cat(v).contiguous()) for k, v in zip(ks, vs)]

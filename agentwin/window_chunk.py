@@ -1,4 +1,5 @@
-"""What the window keeps per chunk (`_Chunk`), chunk ids, and the timer of its public operations."""
+"""What the window keeps per chunk (`ChunkRecord`), where a chunk sits (`Placement`), the KV it holds
+there (`Held`), chunk ids, and the timer of its public operations."""
 
 from __future__ import annotations
 
@@ -42,6 +43,31 @@ def key_summary(kv: Sequence[LayerKV]) -> torch.Tensor:
     return torch.stack([k.float().mean(0).reshape(-1) for k, _ in kv])
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a chunk sits in the window's order: `prefix` is the placement key of everything before
+    it (`agentwin.prefix`), `key` its own (the prefix that ends with it), `start` its first position
+    (position units), `first` its first token index, `index` its place in the order."""
+
+    prefix: ChunkKey
+    key: ChunkKey
+    start: int
+    first: int
+    index: int
+
+
+@dataclass(slots=True)
+class Held:
+    """KV the window holds for a chunk: computed at placement `key` (its keys rotated for position
+    `start`), token-major per layer. `exact`: computed after the model's own KV of every chunk
+    before it (so it is the store's entry under `key`), not after KV served approximately."""
+
+    key: ChunkKey
+    start: int
+    kv: list[LayerKV]
+    exact: bool
+
+
 @dataclass(slots=True)
 class ChunkRecord:
     id: ChunkId
@@ -49,16 +75,16 @@ class ChunkRecord:
     inputs: ChunkInput  # a TextChunk or a VisionChunk
     ids: torch.Tensor  # (T,)
     span: int  # position units
-    origin: tuple[ChunkKey, ...]  # antecedent keys when appended
     slot: int  # index in the window when last present (recall's default place)
-    summary: torch.Tensor | None = None  # [layers, width] mean canonical keys, for retrieval
+    origin: tuple[ChunkKey, ...] | None = None  # antecedent keys at its first pass (None: never computed)
+    summary: torch.Tensor | None = None  # [layers, width] mean keys in the chunk-local frame, for retrieval
     neighbour: torch.Tensor | None = None  # the summary of the chunk right before it at its origin
+    last: tuple[ChunkKey, int] | None = None  # placement key and start of its last exact KV (in the store)
     # Held only while the chunk is in the window (dropped at evict):
-    canonical: list[LayerKV] | None = None  # the store's tensors, chunk-local frame
-    # (antecedent, start, KV computed there): served whenever the chunk is back at that placement
-    exact: tuple[tuple[ChunkKey, ...], int, list[LayerKV]] | None = None
+    held: Held | None = None  # its KV at the placement it was last computed or served for
+    canonical: list[LayerKV] | None = None  # patch policies: the store's tensors, chunk-local frame
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
-    served: tuple[tuple[ChunkKey, ...], int] | None = None  # placement last served (for counting)
+    served: ChunkKey | None = None  # placement last served approximately (for counting relocations)
     pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
     orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
 
@@ -74,7 +100,7 @@ def check_invariants(order: Sequence[ChunkId], chunks: dict, pinned: set, layers
     if not pinned <= set(order):
         raise RuntimeError("a pinned chunk is not in the window; this indicates a bug")
     for c in chunks.values():
-        held = [kv for kv in (c.canonical, c.exact[2] if c.exact else None) if kv is not None]
+        held = [kv for kv in (c.canonical, c.held.kv if c.held else None) if kv is not None]
         if c.id not in order and (held or c.patches):
             raise RuntimeError(f"evicted chunk {c.id} still holds KV; this indicates a bug")
         for kv in held:
@@ -84,5 +110,5 @@ def check_invariants(order: Sequence[ChunkId], chunks: dict, pinned: set, layers
 
 def held_bytes(chunks: Sequence[ChunkRecord]) -> int:
     """KV and patch bytes these chunks reference: canonical KV, in-context KV, patches."""
-    return sum(kv_nbytes(c.canonical) + (kv_nbytes(c.exact[2]) if c.exact else 0)
+    return sum(kv_nbytes(c.canonical) + (kv_nbytes(c.held.kv) if c.held else 0)
                + sum(p.nbytes for p in c.patches.values()) for c in chunks)

@@ -62,6 +62,36 @@ class WindowIO:
         self._stats.store_hit_tokens += tokens
         return kv
 
+    def load_placed(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
+        """A chunk's in-context KV at placement `key` (`agentwin.prefix.placement_key`) from the
+        store, or None (never computed, or dropped by the store's budgets)."""
+        hit = self.store.get(key)
+        if hit is None:
+            return None
+        kv = tensors_to_kv(hit[0])
+        if len(kv) != len(self.km.specs) or kv[0][0].shape[0] != tokens:
+            raise RuntimeError(f"store entry {key} does not hold this placement's KV ({len(kv)} layers, "
+                               f"{kv[0][0].shape[0] if kv else 0} tokens); this indicates a bug")
+        return kv
+
+    def load_run(self, key: ChunkKey) -> list[LayerKV] | None:
+        """In-context KV stored under a placement key, whatever its length (prefix matches)."""
+        hit = self.store.get(key)
+        return None if hit is None else tensors_to_kv(hit[0])
+
+    def put_placed(self, key: ChunkKey, kv: list[LayerKV], modality: str, start: int) -> list[LayerKV]:
+        """Keep a chunk's exact in-context KV under its placement key; returns the store's copy
+        (shared with its RAM tier), or `kv` itself when the store could not keep it (too big for
+        its budgets: then it is simply not shared)."""
+        tokens = int(kv[0][0].shape[0])
+        try:
+            self.store.put(key, kv_to_tensors(kv), {"modality": modality, "tokens": tokens, "start": int(start),
+                                                    "kind": "in_context"})
+        except ValueError:
+            return kv
+        hit = self.store.get(key)
+        return tensors_to_kv(hit[0]) if hit is not None else kv
+
     def put_canonical(self, chunk: Any, kv: list[LayerKV]) -> list[LayerKV]:
         """Store freshly encoded canonical KV; returns the store's copy (so the window and the
         store's RAM tier share one set of bytes), or `kv` itself when the store keeps it on disk only."""

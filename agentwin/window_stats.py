@@ -10,7 +10,7 @@ import torch
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
-FORWARD_KINDS = ("encode", "in_context", "conditioned", "query", "decode", "orbit", "retrieval", "guard")
+FORWARD_KINDS = ("encode", "in_context", "recompute", "conditioned", "query", "decode", "orbit", "retrieval", "guard")
 
 
 @dataclass
@@ -18,12 +18,24 @@ class WindowStats:
     """Counters and times of one window.
 
     forwards / forward_tokens: model forwards run by this window and the tokens they computed,
-        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's prefill after the
-        window, at append), "conditioned" (a chunk after a new antecedent, for a patch), "query",
+        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's first prefill
+        after the chunks before it), "recompute" (a chunk computed again because what is before
+        it changed: a slide, a recall or a reorder in front of it), "conditioned" (a chunk after a
+        new antecedent, for a patch), "query",
         "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`),
         "retrieval" (a query encoded alone by `nearest`), "guard" (the patch guard's forwards of a
         chunk's last rows, `agentwin.guard.tail_kl`).
+        One model forward may compute tokens of several kinds (a read computes the chunks that
+        wait for their pass and its query in one forward): it counts once under each kind.
+    passes: model forwards run (each counted once, whatever kinds of tokens it computed).
     forwarded_tokens: all of `forward_tokens` (every token any forward of this window computed).
+    exact_hits / exact_hit_tokens: placements served from in-context KV kept in the store for
+        exactly that placement (the same chunks before it), computed earlier by this window,
+        another window or another process; no forward. matched_tokens: tokens whose KV a forward
+        did not compute because the same tokens had been computed after the same prefix (the
+        longest common token prefix with an earlier run, `agentwin.prefix.PrefixIndex`).
+    approximate: placements served by an approximation (a patch policy's canonical KV and
+        patch, or a survivor's earlier KV re-rotated) instead of the model's own KV there.
     relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
         chunk at that placement; `relocated_tokens` counts their tokens. A chunk served from a pass
         this window ran (append, conditioned pass) is never counted there. These are placements,
@@ -47,6 +59,11 @@ class WindowStats:
         store's tiers (RAM, disk, device bytes) at the last stats() call.
     """
 
+    passes: int = 0
+    exact_hits: int = 0
+    exact_hit_tokens: int = 0
+    matched_tokens: int = 0
+    approximate: int = 0
     patch_hits: int = 0
     patch_misses: int = 0
     canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
@@ -84,14 +101,23 @@ class WindowStats:
 
     def count(self, kind: str, tokens: int) -> None:
         """One forward of `tokens` tokens, of `kind` (one of FORWARD_KINDS)."""
-        if kind not in FORWARD_KINDS:
-            raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
-        self.forwards[kind] += 1
-        self.forward_tokens[kind] += tokens
+        self.count_pass({kind: tokens})
+
+    def count_pass(self, tokens: dict[str, int]) -> None:
+        """One forward that computed `tokens[kind]` tokens of each kind (kinds of FORWARD_KINDS)."""
+        for kind in tokens:
+            if kind not in FORWARD_KINDS:
+                raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
+        self.passes += 1
+        for kind, n in tokens.items():
+            if n:
+                self.forwards[kind] += 1
+                self.forward_tokens[kind] += int(n)
 
     @property
     def num_forwards(self) -> int:
-        return int(sum(self.forwards.values()))
+        """Model forwards run (`passes`)."""
+        return self.passes
 
     @property
     def forwarded_tokens(self) -> int:

@@ -147,7 +147,7 @@ def _held_ptrs(win: Any) -> set[int]:
     for chunk in win._chunks.values():
         hit = win.store.get(chunk.key) if win.store.contains(chunk.key) else None
         kvs = [tensors_to_kv(hit[0])] if hit is not None else []
-        kvs += [kv for kv in (chunk.canonical, chunk.exact[2] if chunk.exact else None) if kv is not None]
+        kvs += [kv for kv in (chunk.canonical, chunk.held.kv if chunk.held else None) if kv is not None]
         for kv in kvs:
             for k, v in kv:
                 ptrs.update((k.data_ptr(), v.data_ptr()))
@@ -190,14 +190,14 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
     held = _held_ptrs(win)
     win.recall(seg)
     logprobs = win.next_token_logprobs(query)
-    read = _kv_ptrs(win._segments(win.chunks()))
+    read = _kv_ptrs(win.segments())
     written = sum(b for p, b in read.items() if p not in held)
     stats = win.stats()
     query_alone = _timed(lambda: win.next_token_logprobs(query), args.repeats)
     reference = win.reference_logprobs(query)
     window_tokens_now = win.tokens()
     # Materialised: the window's placed copies are prepared untimed, except the recalled segment.
-    segments = win._segments(win.chunks())
+    segments = win.segments()
     order = win.chunks()
     at = order.index(seg)
     placed = _placed_copy(km, segments)
@@ -244,7 +244,7 @@ def decode_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
             win.append(text)
         q = win._query_ids(query)
         start = win._span(win.chunks())
-        segments = win._segments(win.chunks())
+        segments = win.segments()
         dense_parts = _placed_copy(km, segments)
         step_times: dict[str, list[float]] = {"segment": [], "sdpa": []}
         agree = True

@@ -231,8 +231,11 @@ def window_default(argument: str) -> Any:
 
 
 def window_default_patch() -> str:
-    """`Window(patch=...)`'s default."""
-    return window_default("patch")
+    """The patch policy a window takes when it is asked for patches without naming a policy
+    (`agentwin.policies.DEFAULT_PATCH_POLICY`; the window's own default, "exact", fits none)."""
+    from agentwin.policies import DEFAULT_PATCH_POLICY
+
+    return DEFAULT_PATCH_POLICY
 
 
 def window_policy() -> str:

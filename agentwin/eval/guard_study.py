@@ -42,9 +42,10 @@ FP16 = {"fit": "svd", "storage": "fp16"}  # the rank-based rows: the window's fi
 
 
 def _served(km: Any, case: HardCase, **window_args: Any) -> tuple[Any, int]:
+    from agentwin.policies import DEFAULT_PATCH_POLICY
     from agentwin.window import Window
 
-    window = Window(km, budget_tokens=1 << 20, **window_args)
+    window = Window(km, budget_tokens=1 << 20, **{"patch": DEFAULT_PATCH_POLICY, **window_args})
     window.append(case.a)
     b = window.append(case.b)
     window.evict(b)

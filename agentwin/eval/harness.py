@@ -281,12 +281,13 @@ def window_fit(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_t
     canonical KV plus the stored patch; KL per question against the window's own re-prefill.
     The model's attention implementation is restored afterwards."""
     from agentwin.models.adapter import KameraModel
+    from agentwin.policies import DEFAULT_PATCH_POLICY
     from agentwin.window import Window
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     saved = config._attn_implementation
     try:
-        window = Window(KameraModel(model, tokenizer), budget_tokens=1 << 20, **window_args)
+        window = Window(KameraModel(model, tokenizer), budget_tokens=1 << 20, **{"patch": DEFAULT_PATCH_POLICY, **window_args})
         window.append(a_text)
         b = window.append(b_text)
         window.evict(b)

@@ -457,7 +457,7 @@ class AgentwinStrategy(Strategy):
         # pass where the placement needs one, counted by the window), then the query and the
         # decoded tokens as the cache's dense tail (counted here).
         stale = self.window.stats().stale_patches
-        segments = self.window._segments(self.window.chunks())
+        segments = self.window.segments()
         self.stale.append(self.window.stats().stale_patches - stale)
         reading, _ = self._segment_decide(segments, self.window.tokens(), query, greedy)
         return reading

@@ -101,9 +101,9 @@ def scenario(km: Any, case: Any, name: str, policy: str, rank: int | None, quick
         seen = counter.snapshot()
     total = _work(stats)
     if (seen["tokens"], seen["forwards"]) != (stats.forwarded_tokens + reference_tokens,
-                                              sum(stats.forwards.values()) + len(questions)):
+                                              stats.passes + len(questions)):
         raise RuntimeError(f"{name}/{policy}: the window counted {stats.forwarded_tokens} forwarded tokens in "
-                           f"{sum(stats.forwards.values())} forwards plus {reference_tokens} in {len(questions)} "
+                           f"{stats.passes} forwards plus {reference_tokens} in {len(questions)} "
                            f"re-prefills; the model's hook saw {seen}")
     return {"kl": statistics.fmean(kl), "kl_per_question": kl, "window_tokens": int(window.tokens()),
             "chunks_in_window": len(window.chunks()), "build": _minus(build, _work_empty()),

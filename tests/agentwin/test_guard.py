@@ -91,7 +91,7 @@ def test_window_drops_a_patch_that_reads_worse_than_blind(monkeypatch):
     monkeypatch.setattr(window_module.kp, "deficit", harmful)
     logprobs = {}
     for name, args in (("guarded", {"rank": 4, "guard": True}), ("blind", {"patch": "none"})):
-        win = Window(km, **args)
+        win = Window(km, **{"patch": "origin-akin", **args})
         win.append(A)
         b = win.append(B)
         win.evict(b)
@@ -111,13 +111,13 @@ def test_exact_windows_are_never_guarded():
     win.append(B)
     s = win.stats()
     assert not win.guard and s.guard_checked == 0 and "guard" not in s.forwards
-    assert not Window(km, rank=None, guard=True).guard
+    assert not Window(km, patch="origin-akin", rank=None, guard=True).guard
     # "auto" (the default): off at the default 6% byte budget, on below it and for rank=N windows.
-    assert not Window(km).guard and not Window(km, patch_bytes=0.12).guard
-    assert Window(km, patch_bytes=0.03).guard and Window(km, rank=4).guard
-    assert Window(km, guard=True).guard and not Window(km, rank=4, guard=False).guard
+    assert not Window(km, patch="origin-akin").guard and not Window(km, patch="origin-akin", patch_bytes=0.12).guard
+    assert Window(km, patch="origin-akin", patch_bytes=0.03).guard and Window(km, patch="origin-akin", rank=4).guard
+    assert Window(km, patch="origin-akin", guard=True).guard and not Window(km, patch="origin-akin", rank=4, guard=False).guard
     with pytest.raises(TypeError, match="guard must be True, False or 'auto'"):
-        Window(km, guard=1)
+        Window(km, patch="origin-akin", guard=1)
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_guarded_patch_is_no_worse_than_blind_on_smollm2(case):
             refs.append(torch.log_softmax(km.model(input_ids=ids[None]).logits[0, -1].float(), -1))
 
     def kl(**args) -> float:
-        win = Window(km, **args)
+        win = Window(km, **{"patch": "origin-akin", **args})
         win.append(c.a)
         b = win.append(c.b)
         win.evict(b)

@@ -57,7 +57,7 @@ def test_the_window_reads_the_residual_stream_of_its_own_pass():
     """With fit="residual" the pass that fits B's patch records every row's residual stream: the
     same numbers as the model's own forward over A then B, and no extra forward is run."""
     km = _km("tiny-llama-gqa")
-    win = Window(km, budget_tokens=4096, fit="residual")
+    win = Window(km, patch="origin-akin", budget_tokens=4096, fit="residual")
     probes = []
     encode_after = km.encode_after
 
@@ -78,7 +78,7 @@ def test_the_window_reads_the_residual_stream_of_its_own_pass():
     start = len(km.tokenize(A))
     for layer in range(len(km.specs)):
         assert torch.allclose(probe.residual[layer], ref[layer][0, start:].double().square().sum(-1), rtol=1e-5)
-    plain = Window(km, budget_tokens=4096, fit="output")
+    plain = Window(km, patch="origin-akin", budget_tokens=4096, fit="output")
     plain.append(A)
     plain.append(B)
     assert win.stats().forward_tokens == plain.stats().forward_tokens  # no forward of its own
@@ -92,8 +92,8 @@ def test_models_without_an_output_projection_are_refused_when_the_window_is_buil
     del km.model.model.layers[1].self_attn.o_proj
     try:
         with pytest.raises(ValueError, match="fit='residual' cannot weigh its output: use fit='output'"):
-            Window(km, fit="residual")
-        Window(km, fit="output")  # the other fits do not read it
+            Window(km, patch="origin-akin", fit="residual")
+        Window(km, patch="origin-akin", fit="output")  # the other fits do not read it
     finally:
         km.model.model.layers[1].self_attn.o_proj = saved
     metrics = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
@@ -102,7 +102,7 @@ def test_models_without_an_output_projection_are_refused_when_the_window_is_buil
 
 def test_mla_models_take_the_allocator_instead():
     km = _km("tiny-deepseek-v2")
-    assert Window(km, fit="residual").fit == "alloc"
+    assert Window(km, patch="origin-akin", fit="residual").fit == "alloc"
 
 
 def test_gemma_post_attention_norm_is_weighed_to_first_order():

@@ -166,9 +166,12 @@ def test_eviction_lets_go_of_kv_and_the_store_budget_bounds_what_stays():
     budget = max(len(km.tokenize(t)) for t in texts) * 2
     win = Window(km, budget_tokens=budget, patch="origin", rank=None, store=store)
     ids = [win.append(t) for t in texts[:2]]
+    win.materialize()
     entry = win.stats().held_bytes
+    assert entry > 0
     for t in texts[2:]:
         ids.append(win.append(t))
+        win.materialize()
         win.check_integrity()
         assert win.stats().held_bytes <= 2 * entry  # only what is in the window
     assert len(win.chunks()) <= 2 and win.stats().evictions >= 10
@@ -176,7 +179,10 @@ def test_eviction_lets_go_of_kv_and_the_store_budget_bounds_what_stays():
     # dropped chunk encodes it again (counted) and is still exact.
     small = ChunkStore(None, ram_bytes=3 * entry, model_fingerprint=km.fingerprint)
     win2 = Window(km, budget_tokens=budget, patch="origin", rank=None, store=small)
-    ids2 = [win2.append(t) for t in texts]
+    ids2 = []
+    for t in texts:
+        ids2.append(win2.append(t))
+        win2.materialize()
     assert small.stats().ram_bytes <= 3 * entry and small.stats().evictions > 0
     encodes = win2.stats().forwards["encode"]
     win2.recall(ids2[0], at=0)
@@ -186,7 +192,11 @@ def test_eviction_lets_go_of_kv_and_the_store_budget_bounds_what_stays():
 
 def test_recall_writes_no_kv_bytes():
     """A recall to a slot whose patch is stored reads canonical KV where the store holds it: the
-    segments the query attends are the store's own tensors (no copy)."""
+    segments the query attends are the store's own tensors (no copy). The exact window's recall to
+    the slot a chunk was computed at reads its in-context KV where the store keeps it (under its
+    placement key), also with no copy."""
+    from agentwin.prefix import placement_key, root_key
+
     km, _ = _pair("tiny-llama-gqa")
     win = Window(km, patch="origin", rank=None)
     ids = [win.append(t) for t in GEMMA_TEXTS[:3]]
@@ -194,10 +204,22 @@ def test_recall_writes_no_kv_bytes():
     win.next_token_logprobs(QUERY)
     win.evict(ids[2])
     win.recall(ids[1])
-    segments = win._segments(win.chunks())
+    segments = win.segments()
     stored = win.store.get(win._chunks[ids[1]].key)[0]
     seg = next(s for s in segments[0] if s.shift != 0)
     assert seg.keys.data_ptr() == stored["k.0"].data_ptr() and seg.values.data_ptr() == stored["v.0"].data_ptr()
+    exact = Window(km)
+    ids = [exact.append(t) for t in GEMMA_TEXTS[:3]]
+    exact.materialize()
+    exact.evict(ids[1])
+    exact.next_token_logprobs(QUERY)
+    exact.evict(ids[2])
+    exact.recall(ids[1])
+    keys = [exact._chunks[c].key for c in ids[:2]]
+    placed = exact.store.get(placement_key(placement_key(root_key(km.fingerprint), keys[0]), keys[1]))[0]
+    seg = exact.segments()[0][1]
+    assert seg.shift == 0 and exact.stats().exact_hits == 1
+    assert seg.keys.data_ptr() == placed["k.0"].data_ptr() and seg.values.data_ptr() == placed["v.0"].data_ptr()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gemma3"])

@@ -1,4 +1,4 @@
-"""The window's default stale-patch policy (`origin-akin`) on the real SmolLM2: a hard case's
+"""The stale-patch policy `origin-akin` (the patch policies' guard) on the real SmolLM2: a hard case's
 chunk B, fitted after (filler, A), read after the filler alone once A has left the window. There
 the origin patch was measured worse than blind reuse (`agentwin bench fidelity`); the default
 must not be, judged against the transformers model's own forward of the same tokens."""
@@ -27,6 +27,7 @@ def _after_filler(km: KameraModel, case: str, **window_args) -> tuple[float, int
     win.append(FILLER)
     a = win.append(c.a)
     win.append(c.b)
+    win.materialize()  # B's pass after (filler, A): its origin patch
     win.evict(a)
     q = c.questions[0]
     kl = kl_divergence(win.reference_logprobs(q), win.next_token_logprobs(q), log_probs=True)
@@ -38,8 +39,10 @@ def _after_filler(km: KameraModel, case: str, **window_args) -> tuple[float, int
 def test_default_policy_is_no_worse_than_blind_behind_an_unrelated_neighbour(km, case):
     blind, _ = _after_filler(km, case, patch="none")
     origin, served = _after_filler(km, case, patch="origin")
-    default, stale = _after_filler(km, case)
+    akin, stale = _after_filler(km, case, patch="origin-akin")
+    exact, _ = _after_filler(km, case)
     assert served == 1  # the origin patch was served there, stale
     assert origin > blind  # and read worse than no patch at all (the hazard)
-    assert stale == 0  # the default declined it: the neighbour (the filler) is unlike A
-    assert default == pytest.approx(blind, rel=1e-4, abs=1e-7)  # blind reuse, not worse
+    assert stale == 0  # origin-akin declined it: the neighbour (the filler) is unlike A
+    assert akin == pytest.approx(blind, rel=1e-4, abs=1e-7)  # blind reuse, not worse
+    assert exact < 1e-5 < blind  # the default window recomputes B there: the model's own KV

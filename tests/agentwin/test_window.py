@@ -83,11 +83,11 @@ def test_low_rank_origin_patch_beats_blind_reuse():
 
 
 def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
-    """Appending runs the chunk's prefill after the window (read in place) and serves that exact
-    KV: even rank-2 patches then leave the window exact, and no chunk is relocated. The first
-    chunk's canonical encode is its prefill; later chunks cost one encode and one in-context pass
-    (and, with the patch guard on, as it is for rank=N windows, one forward of the chunk's last rows
-    as a batch of two: blind and patched)."""
+    """A patch policy's append runs the chunk's prefill after the window (read in place) and
+    serves that exact KV: even rank-2 patches then leave the window exact, and no chunk is
+    relocated. The first chunk's canonical encode is its prefill; later chunks cost one encode and
+    one in-context pass (and, with the patch guard on, as it is for rank=N windows, one forward of
+    the chunk's last rows as a batch of two: blind and patched)."""
     km = _km("tiny-llama-gqa")
     win = Window(km, patch="origin", rank=2, guard=False)
     for t in TEXTS[:3]:
@@ -105,7 +105,7 @@ def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
     assert s.relocations == 0 and s.relocated_tokens == 0 and s.conditioned_passes == 0
     assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
     # The same content again in a second window over the same store: canonical KV and the patch
-    # for this very antecedent are stored, so appending runs no forward at all.
+    # for this very antecedent are stored, so the patch policy runs only the query.
     again = Window(km, patch="origin", rank=2, guard=False, store=win.store)  # win's settings
     for t in TEXTS[:3]:
         again.append(t)
@@ -113,6 +113,49 @@ def test_append_serves_its_in_context_pass_and_encodes_each_content_once():
     s2 = again.stats()
     assert dict(s2.forwards) == {"query": 1} and s2.canonical_hits == 3
     assert s2.relocated_tokens == sum(len(km.tokenize(t)) for t in TEXTS[1:3])
+    # The exact window keeps in-context KV by placement: a second exact window over the same
+    # store and order runs only the query, and reads what the first read.
+    first = Window(km)
+    for t in TEXTS[:3]:
+        first.append(t)
+    expected = first.next_token_logprobs(QUERY)
+    second = Window(km, store=first.store)
+    for t in TEXTS[:3]:
+        second.append(t)
+    got = second.next_token_logprobs(QUERY)
+    s3 = second.stats()
+    assert dict(s3.forwards) == {"query": 1} and s3.exact_hits == 3 and s3.relocated_tokens == 0
+    assert float((got - expected).abs().max()) <= TOL
+
+
+def test_exact_window_forwards_each_token_once_and_only_what_a_change_invalidates():
+    """The default window: appending runs nothing; no canonical encode and no patch, one forward
+    per read for the chunks waiting for their pass and the query together; a slide recomputes the chunks after the one that
+    left (counted as recompute), a recall to the old slot recomputes nothing, and every read equals
+    the transformers model's own forward of the same tokens."""
+    km = _km("tiny-llama-gqa")
+    win = Window(km)
+    assert win.policy == "exact"
+    ids = [win.append(t) for t in TEXTS[:3]]
+    assert win.stats().passes == 0
+    mine = win.next_token_logprobs(QUERY)
+    s = win.stats()
+    n = [len(km.tokenize(t)) for t in TEXTS]
+    q = len(km.tokenize(QUERY))
+    assert s.passes == 1 and dict(s.forward_tokens) == {"in_context": sum(n[:3]), "query": q}
+    assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
+    win.evict(ids[0])
+    mine = win.next_token_logprobs(QUERY)
+    s = win.stats()
+    assert s.passes == 2 and s.forward_tokens["recompute"] == n[1] + n[2]
+    assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
+    win.recall(ids[0])
+    mine = win.next_token_logprobs(QUERY)
+    s = win.stats()
+    assert s.passes == 3 and s.forward_tokens["recompute"] == n[1] + n[2] and s.exact_hits == 3
+    assert s.forward_tokens["query"] == 3 * q - (q - 1)  # the same read again: its last row only
+    assert float((mine - _model_logprobs(km, win.input_ids(QUERY))).abs().max()) <= TOL
+    assert s.forwards.get("encode", 0) == 0 and s.patch_bytes == 0
 
 
 def test_budget_slides_fifo_and_respects_pins():
@@ -318,7 +361,7 @@ def test_orbit_patch_is_the_mean_deficit_over_the_fitted_orders():
     start = len(tokens[2]) + len(tokens[1])
     # What attention reads for chunk 0: its segment (canonical KV, shift, patch) placed densely.
     from kamera_core import patch as kp
-    segs = [next(s for s in layer if s.first == start) for layer in win._segments(win.chunks())]
+    segs = [next(s for s in layer if s.first == start) for layer in win.segments()]
     assert all(s.shift == start and s.patch is not None for s in segs)
     local = kp.apply_patch([(s.keys, s.values) for s in segs], kp.ChunkPatch(tuple(s.patch for s in segs), "orbit"))
 
@@ -372,6 +415,7 @@ def test_orbit_patch_beats_origin_on_reorders_on_smollm2(smollm2):
     for policy in ("origin", "orbit"):
         win = Window(km, budget_tokens=8192, patch=policy, rank=16)
         ids = [win.append(t) for t in texts]
+        win.materialize()  # the chunks' first passes in the appended order: their origin patches
         if policy == "orbit":
             win.fit_orbit(orders=6, seed=0)
         scores = []
@@ -447,6 +491,7 @@ def test_fit_orbit_reaches_chunks_already_placed():
     def window():
         win = Window(km, patch="orbit", rank=2)
         ids = [win.append(t) for t in TEXTS[:3]]
+        win.materialize()  # first passes in the appended order, then a reorder the orbit serves
         win.reorder([ids[2], ids[0], ids[1]])
         return win
 

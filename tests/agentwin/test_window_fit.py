@@ -20,7 +20,7 @@ def _served_with_patch(km: KameraModel, **window_args):
     """A then B; B evicted and recalled at its slot, so it is read as canonical KV + its stored
     patch. Returns (window, KL of the window's next token against a re-prefill by the model's own
     forward)."""
-    win = Window(km, budget_tokens=4096, **window_args)
+    win = Window(km, budget_tokens=4096, **{"patch": "origin-akin", **window_args})
     win.append(A)
     b = win.append(B)
     win.evict(b)
@@ -62,7 +62,7 @@ def test_max_kl_keeps_the_plain_fit_at_the_rank_it_chose():
     from kamera_core import patch as kp
 
     km = _km("tiny-llama-gqa")
-    win = Window(km, budget_tokens=4096, rank=1, storage="fp32", max_kl=1e-12)
+    win = Window(km, patch="origin-akin", budget_tokens=4096, rank=1, storage="fp32", max_kl=1e-12)
     win.append(A)
     b = win.append(B)
     (rank,) = win.stats().kl_ranks
@@ -87,7 +87,7 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     from kamera_core import fit_metric as fm
 
     km = _km(name)
-    win = Window(km, budget_tokens=4096, max_kl=1e-12, storage=storage)
+    win = Window(km, patch="origin-akin", budget_tokens=4096, max_kl=1e-12, storage=storage)
     assert win.fit == "residual" and win.storage == storage
     win.append(A)
     b = win.append(B)
@@ -115,8 +115,8 @@ def test_max_kl_is_checked_and_ignored_for_exact_patches():
     km = _km("tiny-llama-gqa")
     for bad in (0, -1.0, "1e-3", True):
         with pytest.raises(ValueError, match="max_kl must be a positive number"):
-            Window(km, max_kl=bad)
-    exact = Window(km, rank=None, max_kl=1e-3)
+            Window(km, patch="origin-akin", max_kl=bad)
+    exact = Window(km, patch="origin-akin", rank=None, max_kl=1e-3)
     assert exact.max_kl is None
     exact.append(A)
     exact.append(B)
@@ -136,7 +136,7 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     from kamera_core import fit_metric as fm, patch as kp
 
     km = _km(name)
-    win = Window(km, budget_tokens=4096, rank=3, storage="fp32", fit="query", guard=False)  # the fit itself
+    win = Window(km, patch="origin-akin", budget_tokens=4096, rank=3, storage="fp32", fit="query", guard=False)  # the fit itself
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -182,7 +182,7 @@ def _kv_bytes(kv) -> int:
 
 def test_a_sliding_window_model_takes_the_default_budget_too():
     km = _km("tiny-gemma3")
-    win = Window(km, budget_tokens=4096)
+    win = Window(km, patch="origin-akin", budget_tokens=4096)
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -197,7 +197,7 @@ def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
     from kamera_core import fit_metric as fm
 
-    win = Window(km, budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
+    win = Window(km, patch="origin-akin", budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -237,7 +237,7 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     if fit != "query":
         assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
     _same_corrected_kv(canonical, stored, want)
-    checked = Window(km, budget_tokens=4096, guard=True, storage="int8", **args)
+    checked = Window(km, patch="origin-akin", budget_tokens=4096, guard=True, storage="int8", **args)
     checked.append(A)
     guarded = next(iter(checked._chunks[checked.append(B)].patches.values()))
     assert checked.stats().guard_checked > 0
@@ -258,11 +258,11 @@ def test_mixed_storage_patches_are_the_evaluations_mixed_fit():
     _same_corrected_kv(canonical, stored, want)
     for args in ({"fit": "svd"}, {"fit": "query"}, {"rank": 4}):
         with pytest.raises(ValueError, match="storage='mixed' is chosen per component"):
-            Window(km, storage="mixed", **args)
-        assert Window(km, storage="auto", **args).storage == "int8"  # "auto": int8 where one rank is set
-    assert Window(km, storage="auto").storage == "mixed" and Window(km, storage="auto", fit="alloc").storage == "mixed"
-    assert Window(km, storage="auto", rank=None).storage == "fp32"
-    targeted = Window(km, budget_tokens=4096, storage="mixed", max_kl=1e-3)
+            Window(km, patch="origin-akin", storage="mixed", **args)
+        assert Window(km, patch="origin-akin", storage="auto", **args).storage == "int8"  # "auto": int8 where one rank is set
+    assert Window(km, patch="origin-akin", storage="auto").storage == "mixed" and Window(km, patch="origin-akin", storage="auto", fit="alloc").storage == "mixed"
+    assert Window(km, patch="origin-akin", storage="auto", rank=None).storage == "fp32"
+    targeted = Window(km, patch="origin-akin", budget_tokens=4096, storage="mixed", max_kl=1e-3)
     targeted.append(A)
     targeted.append(B)
     assert len(targeted.stats().kl_ranks) == 1
@@ -277,7 +277,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     from kamera_core import budget as kb
 
     km = _km("tiny-llama-gqa")
-    win = Window(km, budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1, guard=False)
+    win = Window(km, patch="origin-akin", budget_tokens=4096, fit="alloc", storage="fp16", patch_bytes=0.1, guard=False)
     win.append(A)
     b = win.append(B)
     stored = next(iter(win._chunks[b].patches.values()))
@@ -286,7 +286,7 @@ def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
     assert _ranks(stored) == _ranks(eval_fit(deltas, "kamera-alloc", budget, "fp16"))
     assert len(set(_ranks(stored))) > 1 and stored.nbytes <= budget
     # A fixed rank with the allocator: the bytes of that rank in every layer, spread.
-    ranked = Window(km, budget_tokens=4096, rank=3, fit="alloc", storage="fp16", guard=False)
+    ranked = Window(km, patch="origin-akin", budget_tokens=4096, rank=3, fit="alloc", storage="fp16", guard=False)
     ranked.append(A)
     b = ranked.append(B)
     stored = next(iter(ranked._chunks[b].patches.values()))
@@ -307,8 +307,8 @@ def test_patch_settings_are_checked():
                         ({"rank": "auto"}, "rank must be 'budget'"),
                         ({"storage": "int4"}, "storage must be one of")]:
         with pytest.raises(ValueError, match=match):
-            Window(km, **args)
-    assert Window(km, rank=None).storage == "fp32" and Window(km, rank=4).patch_bytes is None
+            Window(km, **{"patch": "origin-akin", **args})
+    assert Window(km, rank=None).storage == "fp32" and Window(km, patch="origin-akin", rank=4).patch_bytes is None
 
 
 def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():

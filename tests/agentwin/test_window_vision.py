@@ -113,12 +113,15 @@ def test_same_image_again_is_a_store_hit_without_the_vision_tower():
     win = Window(km, budget_tokens=4096, patch="none")
     win.append(Image(_image(5), max_tokens=16))
     win.append(Text(TEXTS[0]))
+    win.materialize()
     calls = win.stats().encoder_calls
     win.append(Image(_image(5), max_tokens=16))
+    win.materialize()
     stats = win.stats()
     assert stats.canonical_hits == 1 and stats.encoder_calls == calls == 1
     other = Window(km, budget_tokens=4096, patch="none", store=win.store)  # another window, same store
     other.append(Image(_image(5), max_tokens=16))
+    other.materialize()
     assert other.stats().canonical_hits == 1 and other.stats().encoder_calls == 0
     assert _gap(other, km) <= TOL
 

@@ -127,6 +127,7 @@ def test_cached_vision_reprefill_runs_no_vision_tower_and_matches_the_reprefill(
     win = Window(km, budget_tokens=1 << 16, rank=None)
     for c in contents:
         win.append(c)
+    win.materialize()  # the window's passes run the tower once per image and clip
     parts = recall.window_parts(km, contents, " What changed?")
     plain = km.reference_inputs(parts)
     assert torch.equal(plain["input_ids"], win.reference_inputs(" What changed?")["input_ids"])

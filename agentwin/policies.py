@@ -9,6 +9,8 @@ told of each pass the window ran), chosen by `Window(patch=...)`:
   reproduces a re-prefill;
 - `survive` (`Survive`): the chunk's KV from its last placement, moved by RoPE re-rotation
   (StreamingLLM-style survival: what it read before stays in it);
+- `refresh` (`Refresh`): survival with a repair: the survivors near a change, and those too many
+  evictions old, are recomputed (`Refresh(near_tokens, max_age)` sets both);
 - `none` (`Blind`): blind reuse, the chunk's canonical KV (encoded alone) only, never a pass;
 - `origin` (`Origin`): canonical KV plus the patch fitted at the chunk's first pass, as an
   approximation; `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every
@@ -99,6 +101,38 @@ class Survive(Exact):
             return None
         kv, start = earlier
         return Approx(kv, pl.start - start)
+
+
+class Refresh(Survive):
+    """Survival with a repair: after a change in front of them (a chunk evicted, recalled or
+    moved), the survivors near the change are recomputed and the rest keep their KV re-rotated,
+    until they are too old. A survivor is recomputed when it starts within `near_tokens` tokens
+    after the first token whose KV changed (the KV a change moves most: on SmolLM2 the first
+    survivor's values after a slide are off by about 37%, the fourth by about 9%), or when
+    `max_age` or more evictions happened since its KV was computed (slides batched: every survivor
+    is recomputed once per `max_age` evictions). near_tokens=0 and max_age=None is `Survive`;
+    max_age=1 is `Exact`."""
+
+    name = "refresh"
+
+    def __init__(self, near_tokens: int = 128, max_age: int | None = 4) -> None:
+        if isinstance(near_tokens, bool) or not isinstance(near_tokens, int) or near_tokens < 0:
+            raise ValueError(f"near_tokens must be a non-negative int, got {near_tokens!r}")
+        if max_age is not None and (isinstance(max_age, bool) or not isinstance(max_age, int) or max_age < 1):
+            raise ValueError(f"max_age must be a positive int or None, got {max_age!r}")
+        self.near_tokens, self.max_age = near_tokens, max_age
+
+    def __repr__(self) -> str:
+        return f"Refresh(near_tokens={self.near_tokens}, max_age={self.max_age})"
+
+    def place(self, window: Window, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
+        changed = window._changed_at  # token index of the first chunk this read could not serve as computed
+        if changed is None or pl.first - changed < self.near_tokens:
+            return None
+        age = window._stats.evictions - chunk.computed_at
+        if self.max_age is not None and age >= self.max_age:
+            return None
+        return super().place(window, chunk, pl, antecedent_ids)
 
 
 class PatchPolicy(Exact):
@@ -353,7 +387,7 @@ class OrbitPolicy(PatchPolicy):
         return len(seen)
 
 
-POLICY_TYPES = {p.name: p for p in (Exact, Survive, Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
+POLICY_TYPES = {p.name: p for p in (Exact, Survive, Refresh, Blind, Origin, OrbitPolicy, Fresh, OriginNeighbour, OriginPresent,
                                      OriginEither, OriginSimilar, OriginAkin)}
 POLICIES = tuple(POLICY_TYPES)
 PATCH_POLICIES = tuple(name for name, p in POLICY_TYPES.items() if issubclass(p, PatchPolicy))  # canonical KV + patch

@@ -36,6 +36,7 @@ store's tiers under the store's budgets.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -44,7 +45,7 @@ from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa:
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import TextChunk
-from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Approx, eviction_plan
+from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Approx, Exact, eviction_plan
 from agentwin.prefix import Piece, PrefixIndex, placement_key, root_key
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import (ChunkId, ChunkRecord, Held, Placement, check_invariants, held_bytes, key_summary,
@@ -63,7 +64,7 @@ Layers = list[list[Segment]]  # per decoder layer, the segments read so far
 class Window:
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
-    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str = DEFAULT_POLICY,
+    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str | Exact = DEFAULT_POLICY,
                  rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "auto",
                  evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
                  patch_bytes: float | None = None) -> None:
@@ -79,8 +80,13 @@ class Window:
         text chunk instead of a byte budget)."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
-        if patch not in POLICIES:
-            raise ValueError(f"patch must be one of {POLICIES}, got {patch!r}")
+        if isinstance(patch, Exact):  # a configured policy object, e.g. Refresh(near_tokens=64)
+            policy, patch = patch, patch.name
+        elif patch not in POLICIES:
+            raise ValueError(f"patch must be one of {POLICIES} (or a policy object such as "
+                             f"agentwin.policies.Refresh(...)), got {patch!r}")
+        else:
+            policy = POLICY_TYPES[patch]()
         settings = patch_settings(km, rank, patch_bytes, storage, guard, max_kl, fit)
         given = [name for name, value, default in (("rank", rank, BUDGET), ("patch_bytes", patch_bytes, None),
                                                    ("storage", storage, "auto"), ("guard", guard, "auto"),
@@ -100,7 +106,7 @@ class Window:
             raise ValueError("the store belongs to another model (fingerprint differs); open one for this model")
         self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
         self.km, self.policy, self.budget_tokens, self.settings = km, patch, budget_tokens, settings
-        self._policy = POLICY_TYPES[patch]()
+        self._policy = policy
         self.rank, self.patch_bytes, self.storage = settings.rank, settings.patch_bytes, settings.storage
         self.guard, self.max_kl, self.fit = settings.guard, settings.max_kl, settings.fit
         self.eviction = evict
@@ -117,6 +123,7 @@ class Window:
         self.encoder = self._io.encoder
         self._root = root_key(km.fingerprint, self.store.tenant)
         self._index = PrefixIndex()
+        self._changed_at: int | None = None  # during a read: see `_read`
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -296,10 +303,7 @@ class Window:
         """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
         read in place (segment attention); runs the passes the window still owes in the same
         forward as the query."""
-        ids = self._query_ids(query)
-        cache, logits, tail = self._read(list(self._order), ids)
-        self._keep_tail(tail, ids, cache)
-        return torch.log_softmax(logits, -1)
+        return self.read(query).logprobs
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
         """The same from a full re-prefill of `reference_inputs(query)` (the model's own forward,
@@ -324,20 +328,32 @@ class Window:
         and is not returned."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        ids = self._query_ids(query)
+        self._query_ids(query)  # checked before anything runs
         if max_new_tokens == 0:
             return []
+        return self.read(query, max_new_tokens, logits_processor, stop).token_ids
+
+    @timed
+    def read(self, query: str, max_new_tokens: int = 0, logits_processor=None, stop=None) -> "Reading":
+        """One read of the window after `query`: the next-token log-probabilities (`[vocab]`
+        float32, as `next_token_logprobs`) and up to `max_new_tokens` greedy token ids (as
+        `generate_ids`, with its `logits_processor` and `stop`), in one pass over the query."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        ids = self._query_ids(query)
         cache, logits, tail = self._read(list(self._order), ids)
+        logprobs = torch.log_softmax(logits, -1)
         seen, out = ids, []
         position = self._span(self._order) + int(ids.numel())
         eos = getattr(self.km.model.config, "eos_token_id", None)
         eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        scores = logits[None]
+        scores, ended = logits[None], None
         for step in range(max_new_tokens):
             if logits_processor is not None:
                 scores = logits_processor(seen[None], scores)
             token = int(scores[0].argmax())
             if token in eos:
+                ended = token
                 break
             out.append(token)
             if (stop is not None and stop(out)) or step == max_new_tokens - 1:
@@ -351,7 +367,7 @@ class Window:
             seen = torch.cat([seen, chosen])
             scores = result.logits[:, -1].float()
         self._keep_tail(tail, seen, cache)
-        return out
+        return Reading(logprobs, out, ended)
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
         """`[layers, width]` float32: the chunk's keys in its chunk-local frame averaged over its
@@ -497,6 +513,7 @@ class Window:
         self._stats.exact_hits += 1
         self._stats.exact_hit_tokens += int(chunk.ids.numel())
         chunk.held = Held(pl.key, pl.start, kv, True)
+        chunk.computed_at = self._stats.evictions
         chunk.last = (pl.key, pl.start)
         return chunk.held
 
@@ -511,9 +528,12 @@ class Window:
         placements = self._placements(order)
         layers: Layers = [[] for _ in self.km.specs]
         exact, waiting = True, []  # waiting: (chunk, placement) to compute, right after `layers`
+        self._changed_at = None  # token index of the first chunk not served as computed for its place
         for cid, pl in zip(order, placements):
             chunk = self._chunks[cid]
             held = self._placed(chunk, pl, exact)
+            if held is None and self._changed_at is None:
+                self._changed_at = pl.first
             approx = None if held is not None else self._policy.place(self, chunk, pl, order[:pl.index])
             if held is None and approx is None:
                 waiting.append((chunk, pl))
@@ -664,6 +684,7 @@ class Window:
                 self._index.add(pl.prefix, chunk.ids, child=pl.key)
             chunk.last = (pl.key, pl.start)
         chunk.held = Held(pl.key, pl.start, kv, exact)
+        chunk.computed_at = self._stats.evictions
         if chunk.canonical is None:
             chunk.summary = None  # from the newest KV when asked
         if first_pass:
@@ -676,6 +697,17 @@ class Window:
         if run is None or not run.exact or not self._policy.placed:
             return
         self._index.add(run.prefix, ids, kv=run.rows(run.chunk_rows, run.chunk_rows + int(ids.numel())))
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one read gave: `logprobs` `[vocab]` float32 of the token after the query, and the
+    greedy token ids decoded after it (`token_ids`; an end-of-sequence token ends them and is not
+    included: `end_token` is that token, None when decoding stopped otherwise)."""
+
+    logprobs: torch.Tensor
+    token_ids: list[int]
+    end_token: int | None = None
 
 
 class _Run:

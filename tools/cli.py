@@ -16,6 +16,7 @@
     agentwin bench steps --json FILE        agent step time: the model's forwards vs everything else
     agentwin bench trace --json FILE        agent traces: re-prefill vs prefix cache vs streaming vs agentwin (docs/results/TRACE.md)
     agentwin bench fidelity --json FILE     patches under byte budgets and stale patches on the traces (docs/results/FIDELITY.md)
+    agentwin bench sessions --json FILE     chat sessions: the default window vs prefix caching, survival and repairs (docs/results/SESSIONS.md)
     agentwin diagnose --a-file A --b-file B --question Q   deficit diagnostics for any chunks
     agentwin diagnose --case code           the same on a built-in hard case (code, roles, table, steps)
 
@@ -48,7 +49,7 @@ def _command(subparsers: argparse._SubParsersAction, name: str, module: ModuleTy
 def build_parser() -> argparse.ArgumentParser:
     """The `agentwin` parser with every subcommand."""
     from tools import batch_cli, bench_fleet, bench_steps
-    from tools import bench_fidelity, bench_trace
+    from tools import bench_fidelity, bench_sessions, bench_trace
     from tools import agents_cli, bench_engine, bench_eval, bench_patches, bench_recall, bench_relocate, bench_window, demo, diagnose, relocation_demo
 
     parser = _Parser(prog="agentwin", description="Multimodal agents with a reversible context window.")
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(kinds, "recall", bench_recall, "time from recall of an evicted chunk to the first token vs re-prefill and blind reuse")
     _command(kinds, "fleet", bench_fleet, "agent workers with one shared store vs a private store each: encodes, hit rate, wall time")
     _command(kinds, "trace", bench_trace, "agent traces through re-prefill, prefix caching, streaming and agentwin: tokens, fidelity")
+    _command(kinds, "sessions", bench_sessions, "chat sessions on a real model: the default window against prefix caching, "
+             "survival, its repair and the patch policies: tokens, wall time, fidelity (docs/results/SESSIONS.md)")
     _command(kinds, "fidelity", bench_fidelity, "patch fidelity under byte budgets and stale patches vs blind reuse on the traces")
     _command(kinds, "steps", bench_steps, "median agent step time on SmolLM2, the model's forwards vs everything else")
     _command(kinds, "window", bench_window, "KL vs re-prefill after recall / evict / reorder / slide on SmolLM2")

@@ -285,14 +285,17 @@ class RadixTree:
 
 
 class PrefixCache(Strategy):
-    """Automatic prefix caching (see the module docstring)."""
+    """Automatic prefix caching (see the module docstring). replies: the decoded reply's tokens
+    join the tree with the query's (as a serving engine caches a request's output), so a later
+    sequence that repeats a reply reuses it too."""
 
     name = "prefix"
 
-    def __init__(self, km: KameraModel, capacity_tokens: int = 16384) -> None:
+    def __init__(self, km: KameraModel, capacity_tokens: int = 16384, replies: bool = False) -> None:
         super().__init__(km)
         self.tree = RadixTree(capacity_tokens)
         self.reused_tokens = 0
+        self.replies = bool(replies)
 
     def _decide(self, query: torch.Tensor, greedy: int) -> Reading:
         seq = torch.cat([self.window_ids(), query])
@@ -311,6 +314,10 @@ class PrefixCache(Strategy):
         self.reused_tokens += used
         reading, cache = self._segment_decide(segments, used, seq[used:], greedy, kind="prefill")
         skip = held - used  # the last token was held already: its new KV is not stored again
+        if self.replies:  # the decoded tokens that went through the model (the last chosen one did not)
+            decoded = reading.tokens[:-1] if reading.tokens and (len(reading.tokens) == greedy or
+                                                               reading.tokens[-1] in self.eos) else reading.tokens
+            seq = torch.cat([seq, torch.tensor(decoded, dtype=torch.long)])
         computed = int(seq.numel()) - used
         self.tree.insert(seq, path, [(k[skip:computed].clone(), v[skip:computed].clone()) for k, v in cache.tail_kv()])
         return reading
@@ -403,6 +410,68 @@ class Streaming(Strategy):
 
     def info(self) -> dict[str, Any]:
         return {"sinks": self.sinks, "rerotated_tokens": self.rotated_tokens}
+
+
+class WindowStrategy(Strategy):
+    """An `agentwin.Window(km, budget_tokens, **window_args)` over a private RAM store, read as a
+    user reads it (`Window.read`: the passes it owes and the query in its own forwards, then
+    greedy decoding); every forward is counted by the window. The trace's evictions are issued
+    explicitly before each append or recall, so the window's own budget never has to evict
+    (checked after every operation)."""
+
+    def __init__(self, km: KameraModel, name: str, budget_tokens: int, **window_args: Any) -> None:
+        super().__init__(km)
+        from agentwin.window import Window
+
+        self.name = name
+        self.window = Window(km, budget_tokens=budget_tokens, **window_args)
+        self._id: dict[int, Any] = {}
+
+    def _check(self) -> None:
+        if self.window.chunks() != [self._id[c] for c in self.order]:
+            raise RuntimeError(f"{self.name}: the window's order {self.window.chunks()} differs from the trace's "
+                               f"{self.order}; the trace's budget and the window's disagree")
+
+    def append(self, cid: int, text: str) -> None:
+        super().append(cid, text)
+        self._check()
+
+    def recall(self, cid: int, at: int) -> None:
+        super().recall(cid, at)
+        self._check()
+
+    def _append(self, cid: int, ids: torch.Tensor) -> None:
+        from agentwin.content import Text
+
+        self._id[cid] = self.window.append(Text(self.texts[cid]), pin=not self.order)  # the first chunk: the head
+
+    def _evict(self, cid: int, index: int) -> None:
+        self.window.evict(self._id[cid])
+
+    def _recall(self, cid: int, at: int) -> None:
+        self.window.recall(self._id[cid], at=at)
+
+    def decide(self, query: str, greedy: int) -> Reading:
+        with torch.no_grad():
+            read = self.window.read(query, max_new_tokens=greedy)
+        tokens = list(read.token_ids)
+        if read.end_token is not None:  # the others' readings end with the end-of-sequence token
+            tokens.append(read.end_token)
+        return Reading(read.logprobs, tokens)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        stats = self.window.stats()
+        return ({k: v for k, v in stats.forwards.items() if v}, {k: v for k, v in stats.forward_tokens.items() if v})
+
+    def vision_tower_runs(self) -> int:
+        return int(self.window.stats().encoder_calls)
+
+    def info(self) -> dict[str, Any]:
+        s = self.window.stats()
+        return {"patch": self.window.policy, "passes": s.passes, "exact_hits": s.exact_hits,
+                "exact_hit_tokens": s.exact_hit_tokens, "matched_tokens": s.matched_tokens,
+                "approximate": s.approximate, "relocations": s.relocations, "patch_bytes": s.patch_bytes,
+                "patched_kv_bytes": s.patched_kv_bytes, "evictions": s.evictions, "recalls": s.recalls}
 
 
 class AgentwinStrategy(Strategy):

@@ -101,14 +101,15 @@ class KameraModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: torch.dtype = torch.float32) -> "KameraModel":
-        """`smollm2` (the embedded model), a built-in `tiny-*` name, or a path / hub name."""
-        from agentwin.models.zoo import TINY, build_tiny, load_smollm2
+        """`smollm2` (the embedded model), `gemma3-270m` (installed by `make setup`), a built-in
+        `tiny-*` name, or a path / hub name."""
+        from agentwin.models.zoo import REAL, TINY, build_tiny, load_real
 
         if not isinstance(name_or_path, str) or not name_or_path:
             raise TypeError(f"name_or_path must be a non-empty string, got {name_or_path!r}")
-        if name_or_path == "smollm2":
-            model, tokenizer = load_smollm2(dtype)
-            return cls(model, tokenizer, name="smollm2")
+        if name_or_path in REAL:
+            model, tokenizer = load_real(name_or_path, dtype)
+            return cls(model, tokenizer, name=name_or_path)
         if name_or_path in TINY:
             return cls(build_tiny(name_or_path, dtype=dtype), None, name=name_or_path)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -116,7 +117,7 @@ class KameraModel:
         try:
             config = AutoConfig.from_pretrained(name_or_path)
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load {name_or_path!r}: not a built-in name ({', '.join(['smollm2', *TINY])}) "
+            raise ValueError(f"cannot load {name_or_path!r}: not a built-in name ({', '.join([*REAL, *TINY])}) "
                              f"and not a readable model directory or reachable hub name ({e})") from None
         if getattr(config, "vision_config", None) is not None:
             from transformers import AutoModelForImageTextToText, AutoProcessor

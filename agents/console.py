@@ -135,7 +135,11 @@ def make_window(km: Any, args: Any) -> Any:
     from agentwin import Window
     from agentwin.store import open_store
 
+    from agentwin.policies import PATCH_POLICIES
+
     store = open_store(args.store, model_fingerprint=km.fingerprint) if args.store else None
+    if args.patch not in PATCH_POLICIES:  # exact, survive, refresh: no patch settings
+        return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, store=store)
     return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
                   patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
 
@@ -143,7 +147,16 @@ def make_window(km: Any, args: Any) -> Any:
 def window_option_error(args: Any) -> str | None:
     """What is wrong with the window options together (`--rank`, `--patch-bytes`, `--max-kl`), to be
     refused before a model is loaded; None when they agree."""
+    from agentwin.policies import PATCH_POLICIES
+
     rank = "exact" if args.rank is None else args.rank
+    patch = getattr(args, "patch", "exact")
+    given = [flag for flag, set_ in (("--rank", args.rank != "budget"), ("--patch-bytes", getattr(args, "patch_bytes", None)
+                                                                         is not None),
+                                     ("--max-kl", getattr(args, "max_kl", None) is not None)) if set_]
+    if patch not in PATCH_POLICIES and given:
+        return (f"{', '.join(given)} set(s) the patches of a patch policy, and --patch {patch} fits none; "
+                "add --patch origin-akin (or another patch policy) to use them")
     if getattr(args, "patch_bytes", None) is not None and args.rank != "budget":
         return f"--patch-bytes sets the patch ranks itself; use it with --rank budget, not --rank {rank}"
     if getattr(args, "max_kl", None) is not None and args.rank is None:

@@ -109,12 +109,15 @@ def _vision_chunks(obs: Observation, share: int) -> tuple[list[Any], int, list[s
     return chunks, len(chunks) * (each + 2), notes
 
 
-def fit_observation(obs: Observation, km: Any, budget_tokens: int) -> tuple[list[Any], str | None]:
+def fit_observation(obs: Observation, km: Any, budget_tokens: int, form: Callable[[str], Any] | None = None
+                    ) -> tuple[list[Any], str | None]:
     """The chunks of `obs` for a window of `budget_tokens` (see the module docstring) and a note
-    of what was done to make them fit (None when nothing was)."""
+    of what was done to make them fit (None when nothing was). form: how a text chunk's text
+    becomes the chunk (default `agentwin.Text`; a chat window's `Chat.part`), measured as formed."""
     from agentwin import Text
 
-    count = lambda s: int(km.tokenize(s).numel())  # noqa: E731
+    form = Text if form is None else form
+    count = lambda s: int(km.tokenize(form(s).text).numel()) if s.strip() else 0  # noqa: E731
     chunks: list[Any] = []
     notes: list[str] = []
     room = int(budget_tokens)
@@ -125,7 +128,7 @@ def fit_observation(obs: Observation, km: Any, budget_tokens: int) -> tuple[list
     single = f"\n[{obs.label}]\n{obs.text}".rstrip() + "\n"
     total = count(single)
     if total <= room:
-        return chunks + [Text(single)], "; ".join(notes) or None
+        return chunks + [form(single)], "; ".join(notes) or None
     notice = _notice(99999)
     reserve = count(_header(obs.label, 99, 99)) + count(notice)
     part_limit = min(budget_tokens // 2, room) - reserve
@@ -151,4 +154,4 @@ def fit_observation(obs: Observation, km: Any, budget_tokens: int) -> tuple[list
         notes.append(f"text of {total} tokens split into {len(kept)} chunks")
     if cut_tokens:
         notes.append(f"{cut_tokens} tokens of text cut to fit the window of {budget_tokens}")
-    return chunks + [Text(t) for t in texts], "; ".join(notes) or None
+    return chunks + [form(t) for t in texts], "; ".join(notes) or None

@@ -7,7 +7,13 @@
   chunks are recalled (their KV is read back, not recomputed). New content is appended; the
   window's budget evicts the oldest chunks.
 - Decide: the decider (the model through the window, or a script) reads the window and a prompt
-  (task, actions, what is out of view, the last error) and replies with text. A decider with
+  (task, actions, what is out of view, the last error) and replies with text. Where the model has
+  a chat format (`agentwin.chat.Chat`: its tokenizer's template, or a built-in one), the window is
+  a chat: the instructions, the task and the action list are its pinned system head, appended once
+  per run; each observation is a part of the user turn; the per-step prompt holds only what
+  changes (what is out of view, the current observation, the last error) and closes the user turn,
+  so the reply is the assistant's. Otherwise (models without one, e.g. the tiny test models) the
+  whole prompt is read after the observations as plain text. A decider with
   `use_actions(actions, arguments, window)` is told the actions first (`WindowDecider` holds its reply to
   their JSON schema and stops where the action object closes).
 - Act: the reply is parsed (`agents.actions`); "answer" ends the run, "recall" brings an earlier
@@ -61,13 +67,15 @@ class RunResult:
         return {"summary": asdict(self.summary), "steps": [asdict(r) for r in self.records]}
 
 
-def observation_chunks(obs: Observation, km: Any) -> list[Any]:
-    """The chunks of one observation. Text models: one Text with the label and the text view.
-    Vision-language models (`km.is_vlm`): the images as `agentwin.Image` chunks, or the frames of a
-    video observation (with timestamps) as one `agentwin.Frames` chunk, then the Text."""
+def observation_chunks(obs: Observation, km: Any, chat: Any = None) -> list[Any]:
+    """The chunks of one observation. Text models: one Text with the label and the text view (a
+    part of the user turn, `chat.part`, in a chat window). Vision-language models (`km.is_vlm`):
+    the images as `agentwin.Image` chunks, or the frames of a video observation (with timestamps)
+    as one `agentwin.Frames` chunk, then the Text."""
     from agentwin import Text
 
-    text = Text(f"\n[{obs.label}]\n{obs.text}".rstrip() + "\n")
+    raw = f"\n[{obs.label}]\n{obs.text}".rstrip() + "\n"
+    text = chat.part(raw) if chat is not None else Text(raw)
     if not obs.images or not getattr(km, "is_vlm", False):
         return [text]
     import agentwin
@@ -98,13 +106,27 @@ def _counters(window: Any) -> tuple[dict[str, int], dict[str, int]]:
             {k: int(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {})
 
 
+def chat_of(window: Any) -> Any:
+    """The chat format of the window's model (`agentwin.chat.Chat`), or None where it has none."""
+    km = getattr(window, "km", None)
+    if km is None or not hasattr(km, "tokenize"):
+        return None
+    from agentwin.chat import Chat
+
+    try:
+        return Chat(km)
+    except (TypeError, ValueError):
+        return None
+
+
 class AgentLoop:
-    """Runs one task in one environment on one window; see the module docstring."""
+    """Runs one task in one environment on one window; see the module docstring. chat: lay the
+    window out in the model's chat format where it has one (True, the default), or never."""
 
     def __init__(self, env: Env, window: Any, decider: Decider, task: str, max_steps: int = 20,
                  log_path: str | Path | None = None, fidelity_query: str | None = None,
                  progress: bool = False, on_step: Callable[[StepRecord], None] | None = None,
-                 keep_relevant: bool = False) -> None:
+                 keep_relevant: bool = False, chat: bool = True) -> None:
         if not isinstance(env, Env):
             raise TypeError(f"env must implement agents.base.Env, got {type(env).__name__}")
         if not hasattr(decider, "decide"):
@@ -117,6 +139,8 @@ class AgentLoop:
         self.max_steps, self.fidelity_query, self.progress = max_steps, fidelity_query, progress
         self.on_step, self.keep_relevant = on_step, bool(keep_relevant)
         self.log_path = Path(log_path) if log_path is not None else None
+        self.chat = chat_of(window) if chat else None
+        self._head: int | None = None  # the pinned system head's chunk id (chat windows)
         self.records: list[StepRecord] = []
         self._by_key: dict[str, list[int]] = {}  # content key -> chunk ids
         self._step_chunks: dict[int, list[int]] = {}  # step -> chunk ids of its observation
@@ -143,6 +167,12 @@ class AgentLoop:
         try:
             record = self._begin(0)
             try:
+                if self.chat is not None:
+                    try:
+                        self._head = self._place_head(self.chat.head(self.system_text()))
+                    except ValueError as err:
+                        raise EnvError(f"the instructions and the action list do not fit the window ({err}); "
+                                       "raise --budget-tokens") from err
                 self._observe(self.env.reset(), record)
             except EnvError as err:
                 record.error, record.error_kind, stopped = str(err), "environment", f"error: {err}"
@@ -212,7 +242,9 @@ class AgentLoop:
             else:
                 record.event = "in-view"
         else:
-            chunks, record.fitted = fit_observation(obs, self.window.km, int(self.window.budget_tokens))
+            room = int(self.window.budget_tokens) - (self.window.chunk_tokens(self._head) if self._head is not None else 0)
+            chunks, record.fitted = fit_observation(obs, self.window.km, room,
+                                                    self.chat.part if self.chat is not None else None)
             ids = []
             for chunk in chunks:
                 try:
@@ -239,7 +271,7 @@ class AgentLoop:
         of them is made first by evicting the other chunks oldest first (never `before`, and never
         another part of the same observation); a window that still refuses has its oldest other
         chunks evicted here."""
-        keep = set(self._by_key_of(chunk_ids[0])) | set(before or ())
+        keep = set(self._by_key_of(chunk_ids[0])) | set(before or ()) | ({self._head} if self._head is not None else set())
         needed = sum(self._tokens.get(c, 0) for c in chunk_ids)
         while self.window.tokens() + needed > int(self.window.budget_tokens):
             others = [c for c in self.window.chunks() if c not in keep]
@@ -253,7 +285,8 @@ class AgentLoop:
                     self.window.recall(cid, at=at)
                     break
                 except ValueError:
-                    victims = [c for c in self.window.chunks() if c not in chunk_ids and c not in (before or ())]
+                    victims = [c for c in self.window.chunks() if c not in chunk_ids and c not in (before or ())
+                               and c != self._head]
                     if not victims:
                         raise
                     self.window.evict(victims[0])
@@ -355,10 +388,44 @@ class AgentLoop:
 
     # ---- prompt, records ----------------------------------------------------------------------
 
+    def _place_head(self, head: Any) -> int:
+        """The chat head pinned at the front: the window's own when it holds this very head (a
+        second run of the same task on the same window), recalled when evicted, else appended."""
+        found = self.window.find(head)
+        if found is not None and found in self.window.chunks():
+            self.window.pin(found)
+            return int(found)
+        if found is not None:
+            self.window.recall(found, at=0)
+            self.window.pin(found)
+            return int(found)
+        return int(self.window.append(head, pin=True))
+
+    def system_text(self) -> str:
+        """A chat window's pinned head: the instructions, the task and the actions, which do not
+        change during a run."""
+        return "\n".join([
+            f"You are an agent working in {self.env.name}. The user shows you what you observe, one observation "
+            "at a time, and asks for your next action.",
+            f"Task: {self.task}",
+            "Reply with one JSON object naming an action and its arguments, for example "
+            '{"action": "answer", "text": "..."}. Actions:',
+            describe_actions(self.env.actions())])
+
     def _prompt(self, notice: str | None) -> str:
         in_view = set(self.window.chunks())
         out = [f"step {s} ({label})" for s, label in self._step_label.items()
                if not set(self._step_chunks[s]) & in_view and self._first_step_of(s) == s]
+        if self.chat is not None:
+            lines = []
+            if out:
+                lines.append("Out of view, recall by step: " + "; ".join(out[-8:]))
+            if self._current is not None:
+                lines.append(f"Current observation: step {self._current[0]} ({self._current[1]}).")
+            if notice:
+                lines.append(notice)
+            lines.append("Your next action, as one JSON object:")
+            return self.chat.question("\n".join(lines))
         lines = [f"\n\nTask: {self.task}",
                  "Reply with one JSON object naming an action and its arguments, for example "
                  '{"action": "answer", "text": "..."}. Actions:',

@@ -60,7 +60,8 @@ class ScriptedDecider:
 
 
 class WindowDecider:
-    """The window's model, greedy, replying after `prompt + " " + prime`.
+    """The window's model, greedy, replying after `prompt + " " + prime` (after `prompt + prime`
+    when the prompt ends in whitespace, as a chat prompt ends where the assistant's turn begins).
 
     `prime` starts the reply for the model (default `{"action": "`): the reply returned is `prime`
     plus what the model wrote. After `use_actions(actions, arguments)` (the loop calls it with the
@@ -112,7 +113,8 @@ class WindowDecider:
         self.schema = action_schema(kept or actions, arguments)
 
     def decide(self, window: Any, prompt: str) -> str:
-        query = f"{prompt} {self.prime}" if self.prime else prompt
+        # A chat prompt ends where the assistant's turn begins (a newline): the reply starts there.
+        query = (prompt + self.prime if prompt[-1:].isspace() else f"{prompt} {self.prime}") if self.prime else prompt
         if not hasattr(window, "generate_ids"):  # a window without token-level decoding
             text = window.generate(query, max_new_tokens=self.max_new_tokens)
             self.last = {"generated_tokens": None, "tokens_after_close": None, "constrained": False}

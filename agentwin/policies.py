@@ -44,7 +44,7 @@ import torch
 
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.orbit import Orbit
-from agentwin.window_fit import budget_bytes, fit_patch, layer_ranks
+from agentwin.window_fit import budget_bytes, fit_patch, layer_ranks, one_rank_storage
 from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 
@@ -352,7 +352,7 @@ class OrbitPolicy(PatchPolicy):
         if chunk.orbit is None:
             return super().unseen(window, chunk, antecedent_ids)
         held = window._hold(chunk)
-        patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held), window.storage)
+        patch, fitted = chunk.orbit.fit(lambda mean: layer_ranks(window, mean, held), one_rank_storage(window.storage))
         if fitted:
             window._stats.patch_bytes += patch.nbytes
             window._stats.patched_kv_bytes += budget_bytes(1.0, held)

@@ -58,6 +58,8 @@ from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
 EVICTION = ("fifo", "lru")
+LEASE_TTL_S = 60.0  # a lease on computing a placement: longer than any one read's forwards
+LEASE_POLL_S = 0.02
 Layers = list[list[Segment]]  # per decoder layer, the segments read so far
 
 
@@ -124,6 +126,7 @@ class Window:
         self._root = root_key(km.fingerprint, self.store.tenant)
         self._index = PrefixIndex()
         self._changed_at: int | None = None  # during a read: see `_read`
+        self._leases: list = []  # during a read: the store leases it holds on placements it computes
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -270,6 +273,17 @@ class Window:
     def __contains__(self, chunk_id: object) -> bool:
         """Whether `chunk_id` is in the window now (an evicted or unknown id is not)."""
         return chunk_id in self._order
+
+    def find(self, content: Content) -> ChunkId | None:
+        """The chunk holding this content (the same content key: text, image or frames), in the
+        window first, else the most recently evicted one; None when the window never had it."""
+        content = Text(content) if isinstance(content, str) else content
+        _, key = model_inputs(self.km, self.store.tenant, content)
+        found = [c for c in self._order if self._chunks[c].key == key]
+        if found:
+            return found[0]
+        gone = [c for c in sorted(self._chunks, reverse=True) if self._chunks[c].key == key]
+        return gone[0] if gone else None
 
     def chunk_tokens(self, chunk_id: ChunkId) -> int:
         """Tokens of a chunk, in the window or evicted."""
@@ -529,12 +543,30 @@ class Window:
         layers: Layers = [[] for _ in self.km.specs]
         exact, waiting = True, []  # waiting: (chunk, placement) to compute, right after `layers`
         self._changed_at = None  # token index of the first chunk not served as computed for its place
+        try:
+            return self._read_order(order, placements, layers, tail, count, t0)
+        finally:
+            for lease in self._leases:
+                self.store.release(lease)
+            self._leases = []
+
+    def _read_order(self, order: list[ChunkId], placements: list[Placement], layers: Layers,
+                    tail: torch.Tensor | None, count: bool, t0: float) -> tuple:
+        exact, waiting = True, []
         for cid, pl in zip(order, placements):
             chunk = self._chunks[cid]
             held = self._placed(chunk, pl, exact)
             if held is None and self._changed_at is None:
                 self._changed_at = pl.first
             approx = None if held is not None else self._policy.place(self, chunk, pl, order[:pl.index])
+            if held is None and approx is None and exact and self._policy.placed:
+                # Another worker on this store may be computing this very placement: wait for it
+                # rather than compute it twice (what is owed before it is computed first).
+                if not self._claim(pl.key):
+                    if waiting:
+                        self._compute(waiting, layers, exact, order)
+                        waiting = []
+                    held = self._wait_for(chunk, pl)
             if held is None and approx is None:
                 waiting.append((chunk, pl))
                 continue
@@ -573,6 +605,32 @@ class Window:
         self._settle(waiting, run, order)
         run.prefix = prefix
         return run.cache, run.logits, run
+
+    def _claim(self, key: ChunkKey) -> bool:
+        """Take the store's lease on computing placement `key` (kept until the read ends); False
+        while another worker holds it. A RAM-only store always grants."""
+        lease = self.store.try_lease(key, LEASE_TTL_S)
+        if lease is None:
+            return False
+        self._leases.append(lease)
+        return True
+
+    def _wait_for(self, chunk: ChunkRecord, pl: Placement) -> Held | None:
+        """The placement another worker is computing: its KV once the store has it (counted as
+        `waited`), or None when its lease lapses or is given back without it (the lease is then
+        ours, and the chunk is computed here)."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + LEASE_TTL_S
+        while True:
+            held = self._placed(chunk, pl, True)
+            if held is not None:
+                self._stats.waited += 1
+                self._stats.seconds["wait"] += time.perf_counter() - t0
+                return held
+            if self._claim(pl.key) or time.monotonic() >= deadline:
+                self._stats.seconds["wait"] += time.perf_counter() - t0
+                return None
+            time.sleep(LEASE_POLL_S)
 
     @staticmethod
     def _add(layers: Layers, kv: Sequence[LayerKV], first: int, shift: int = 0, patch: kp.ChunkPatch | None = None

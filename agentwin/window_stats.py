@@ -34,6 +34,8 @@ class WindowStats:
         another window or another process; no forward. matched_tokens: tokens whose KV a forward
         did not compute because the same tokens had been computed after the same prefix (the
         longest common token prefix with an earlier run, `agentwin.prefix.PrefixIndex`).
+    waited: placements another worker on the same store was computing when this window needed
+        them, served from its entry once it was stored (this window waited instead of computing).
     approximate: placements served by an approximation (a patch policy's canonical KV and
         patch, or a survivor's earlier KV re-rotated) instead of the model's own KV there.
     relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
@@ -64,6 +66,7 @@ class WindowStats:
     exact_hit_tokens: int = 0
     matched_tokens: int = 0
     approximate: int = 0
+    waited: int = 0
     patch_hits: int = 0
     patch_misses: int = 0
     canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)

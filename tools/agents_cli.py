@@ -41,25 +41,28 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
             "a local path or Hugging Face id of a vision-language model (required)")
     group.add_argument("--model", default=model, help=f"{what}; see below")
     group.add_argument("--budget-tokens", type=positive_arg, default=budget, help=f"window size in tokens (default {budget})")
+    group.add_argument("--patch", choices=("exact", "survive", "refresh", "origin-akin", "origin-similar", "origin",
+                                           "fresh", "none"), default="exact",
+                       help="how a chunk is served where the chunks before it changed: exact (recomputed: the "
+                            "window equals a re-prefill and never forwards more than prefix caching), survive (its "
+                            "KV kept and moved), refresh (survival, the chunks near the change recomputed), or a "
+                            "patch policy: origin-akin (canonical KV + a patch fitted at append, withheld after an "
+                            "unlike antecedent), origin-similar, origin, fresh (a pass per new antecedent), none "
+                            "(blind) (default exact)")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
-                       help=f"antecedent patches: 'budget' (each within --patch-bytes of the chunk's KV bytes), "
+                       help=f"patch policies: 'budget' (each patch within --patch-bytes of the chunk's KV bytes), "
                             f"a rank (checked by the patch guard), or 'exact' (default {rank})")
     group.add_argument("--patch-bytes", type=fraction_arg, default=None,
-                       help="with --rank budget: the patch's share of a chunk's canonical KV bytes (default 0.06)")
+                       help="patch policies with --rank budget: the patch's share of a chunk's canonical KV bytes "
+                            "(default 0.06)")
     group.add_argument("--max-kl", type=kl_arg, default=None, metavar="NATS",
-                       help="a fidelity target instead of a fixed size: each text chunk's patch is tried at "
-                            "--patch-bytes, then twice that and so on (with --rank N: rank N, 2N, ...) until "
-                            "the chunk's last rows read within NATS of KL of its own pass; e.g. 0.0024, "
-                            "a bfloat16 re-prefill's KL on SmolLM2 (default: none)")
-    group.add_argument("--patch", choices=("origin-akin", "origin-similar", "origin", "fresh", "none"), default="origin-akin",
-                       help="patch policy: origin-akin (fitted at append; after a new antecedent less like the old one "
-                            "than the chunk itself is, none), origin-similar (the same with a fixed cosine only), "
-                            "origin (fitted at append, served after any antecedent), fresh (a pass per new "
-                            "antecedent), none (blind) (default origin-akin)")
+                       help="patch policies: a fidelity target instead of a fixed size: each text chunk's patch is "
+                            "tried at --patch-bytes, then twice that and so on (with --rank N: rank N, 2N, ...) until "
+                            "the chunk's last rows read within NATS of KL of its own pass (default: none)")
     add_store_argument(group, "shared across runs (default: none, the run's own RAM)")
     group.add_argument("--threads", type=positive_arg, default=1,
-                       help="torch CPU threads (default 1: the small eigendecompositions of exact patches slow "
-                            "down by orders of magnitude with 2 threads on cores shared with other processes; "
+                       help="torch CPU threads (default 1: the patch policies' small eigendecompositions slow down "
+                            "by orders of magnitude with 2 threads on cores shared with other processes; "
                             "SmolLM2's forwards barely gain from a second thread)")
     group.add_argument("--max-steps", type=positive_arg, default=max_steps, help=f"decisions before giving up (default {max_steps})")
     group.add_argument("--max-new-tokens", type=positive_arg, default=48,

@@ -17,7 +17,8 @@ KIND_DEFAULTS = {"doc": (1024, 12), "web": (2048, 12), "video": (4096, 16)}
 COMMON_FIELDS = ("id", "kind", "source", "question", "task", "script", "max_steps", "budget_tokens",
                  "max_new_tokens", "rank", "patch", "patch_bytes", "max_kl")
 KIND_FIELDS = {"doc": ("max_chars",), "web": ("allow_hosts",), "video": ("segment_seconds", "fps")}
-PATCHES = ("origin-akin", "origin-similar", "origin", "fresh", "none")
+PATCHES = ("exact", "survive", "refresh", "origin-akin", "origin-similar", "origin", "fresh", "none")
+PATCH_SETTINGS = ("rank", "patch_bytes", "max_kl")  # only for the patch policies (canonical KV + patch)
 
 
 
@@ -158,6 +159,10 @@ def parse_task(obj: Any, line: int = 0, base: str | os.PathLike | None = None) -
     source = _resolve_source(kind, obj.get("source"), None if base is None else Path(base))
     options = {k: _check_option(k, v) for k, v in obj.items() if k in _OPTION_CHECKS or k == "patch"}
     rank = options.get("rank", "budget")
+    given = [k for k in PATCH_SETTINGS if k in options and not (k == "rank" and options[k] in ("budget", None))]
+    if given and options.get("patch", "exact") in ("exact", "survive", "refresh"):
+        raise TaskError(f'{", ".join(given)} set(s) the patches of a patch policy; give "patch": "origin-akin" (or '
+                        f'another patch policy) with it, not {options.get("patch", "exact")!r} (the default is exact)')
     if "patch_bytes" in options and rank != "budget":
         raise TaskError(f'"patch_bytes" sets the patch ranks itself: give it with "rank": "budget" (or no "rank"), '
                         f'not {obj["rank"]!r}')

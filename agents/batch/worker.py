@@ -37,7 +37,7 @@ class WorkerConfig:
     max_steps: int | None = None
     max_new_tokens: int = 48
     rank: int | str | None = "budget"  # the window's default: within 6% of each chunk's KV bytes
-    patch: str = "origin-akin"
+    patch: str = "exact"
     patch_bytes: float | None = None
     max_kl: float | None = None
 
@@ -160,11 +160,15 @@ class Worker:
             raise BatchError(f"{cfg.model} is a text-only model; video tasks need a vision-language model "
                              "(--model with a local path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or "
                              "Qwen3-VL checkpoint)")
+        from agentwin.policies import PATCH_POLICIES
+
         rank = opt.get("rank", cfg.rank)  # the batch's patch_bytes / max_kl hold where the task's rank allows them
-        window = Window(self.km, budget_tokens=opt.get("budget_tokens", cfg.budget_tokens or budget),
-                        patch=opt.get("patch", cfg.patch), rank=rank, store=self.store,
-                        patch_bytes=opt.get("patch_bytes", cfg.patch_bytes if rank == "budget" else None),
-                        max_kl=opt.get("max_kl", cfg.max_kl if rank is not None else None))
+        patch = opt.get("patch", cfg.patch)
+        settings = {} if patch not in PATCH_POLICIES else dict(
+            rank=rank, patch_bytes=opt.get("patch_bytes", cfg.patch_bytes if rank == "budget" else None),
+            max_kl=opt.get("max_kl", cfg.max_kl if rank is not None else None))
+        window = Window(self.km, budget_tokens=opt.get("budget_tokens", cfg.budget_tokens or budget), patch=patch,
+                        store=self.store, **settings)
         decider = (ScriptedDecider(list(task.script)) if task.script is not None
                    else WindowDecider(opt.get("max_new_tokens", cfg.max_new_tokens)))
         env = make_env(task, self.km)

@@ -67,6 +67,19 @@ def reference_generate(window: Any, query: str, max_new_tokens: int) -> tuple[st
     return km.tokenizer.decode(out), forwards
 
 
+def prefix_tokens(sequences: list) -> int:
+    """Tokens prefix caching forwards for these sequences in order (each read's ids, replies
+    included): each computes what follows its longest common token prefix with any earlier one,
+    its last token at least."""
+    from agentwin.prefix import common_prefix
+
+    total = 0
+    for i, seq in enumerate(sequences):
+        shared = max((common_prefix(seq, earlier) for earlier in sequences[:i]), default=0)
+        total += int(seq.numel()) - min(shared, int(seq.numel()) - 1)
+    return total
+
+
 class DecisionReads:
     """Wraps the heuristic: before each move, the window is read for the step's prompt (one query
     forward over the window's KV, as a model-driven agent decides) and the same prompt is read by
@@ -77,6 +90,7 @@ class DecisionReads:
         self.kls: list[float] = []
         self.baseline_tokens = 0
         self.baseline_s = 0.0
+        self.sequences: list = []  # every read's token ids, for prefix caching's count
 
     def observe(self, obs: Any) -> None:
         self.inner.observe(obs)
@@ -87,6 +101,7 @@ class DecisionReads:
         reference = window.reference_logprobs(prompt)
         self.baseline_s += time.perf_counter() - t0
         self.baseline_tokens += int(window.input_ids(prompt).numel())
+        self.sequences.append(window.input_ids(prompt))
         self.kls.append(kl_divergence(reference, mine, log_probs=True))
         return self.inner.decide(window, prompt)
 
@@ -95,11 +110,12 @@ def run_demo(km: Any, args: Any, pdf_path: Path, make_window: Callable[[Any, Any
     """Write the PDF, run the navigator on `make_window(km, args)`, return the figures (and the
     run) as a dict; `args` carries the window options, `max_steps`, `log` and `new_tokens`."""
     from agents.doc import PdfEnv, SkimSearchDecider, write_text_pdf
-    from agents.loop import AgentLoop
+    from agents.loop import AgentLoop, chat_of
 
     write_text_pdf(pdf_path, PAGES)
     window = make_window(km, args)
-    query = answer_query(QUESTION)
+    chat = chat_of(window)  # SmolLM2 reads its chat template: the question closes the user turn
+    query = chat.question(QUESTION) if chat is not None else answer_query(QUESTION)
     answers: dict[str, str] = {}
 
     def answer(win: Any) -> str:
@@ -123,6 +139,9 @@ def run_demo(km: Any, args: Any, pdf_path: Path, make_window: Callable[[Any, Any
     recall_steps = [r.step for r in result.records if r.event == "recall"]
     kl_at_recalls = [reads.kls[step] for step in recall_steps if step < len(reads.kls)]
     answer_tokens = int(window.input_ids(query).numel()) + max(decoded - 1, 0)
+    answer_ids = window.input_ids(query)
+    reads.sequences.append(torch.cat([answer_ids, km.tokenize(reference)]) if reference else answer_ids)
+    prefix = prefix_tokens(reads.sequences) + max(decoded - 1, 0)
     figures = {
         "question": QUESTION,
         "expected": EXPECTED,
@@ -139,8 +158,10 @@ def run_demo(km: Any, args: Any, pdf_path: Path, make_window: Callable[[Any, Any
                      "wall_s": stats.wall_s},
         "reprefill": {"forwarded_tokens": reads.baseline_tokens + answer_tokens,
                       "wall_s": reads.baseline_s + reference_s},
+        "prefix_caching_tokens": prefix,
         "rank": "exact" if args.rank is None else args.rank,
         "patch": args.patch,
+        "chat": chat is not None,
         "budget_tokens": args.budget_tokens,
         "pages": len(PAGES),
         "answer_s_reused": answers.get("window_s"),

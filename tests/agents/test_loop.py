@@ -31,8 +31,8 @@ def pdf(tmp_path):
     return write_text_pdf(tmp_path / "island.pdf", PAGES)
 
 
-def _page_tokens(km, env, page):
-    (chunk,) = observation_chunks(env.act({"action": "goto", "page": page}), km)
+def _page_tokens(km, env, page, chat=None):
+    (chunk,) = observation_chunks(env.act({"action": "goto", "page": page}), km, chat)
     return int(km.tokenize(chunk.text).numel())
 
 
@@ -229,7 +229,10 @@ def test_smollm2_revisit_is_exact_and_the_model_decides(smollm2, tmp_path):
 
 def _smollm2_session(km, pdf):
     with PdfEnv(pdf) as env:
-        budget = _page_tokens(km, env, 1) + _page_tokens(km, env, 2) + 4
+        # The chat window's pinned head (instructions, task, actions) plus two pages.
+        probe = AgentLoop(env, Window(km), ScriptedDecider([]), "Who keeps the tide log?")
+        head = len(km.tokenize(probe.chat.head(probe.system_text()).text))
+        budget = head + _page_tokens(km, env, 1, probe.chat) + _page_tokens(km, env, 2, probe.chat) + 4
         window = Window(km, budget_tokens=budget, patch="origin", rank=None)
         script = ScriptedDecider([{"action": "next"}, {"action": "next"}, {"action": "goto", "page": 1},
                                   {"action": "answer", "text": "-"}])

@@ -9,10 +9,11 @@
 - Decide: the decider (the model through the window, or a script) reads the window and a prompt
   (task, actions, what is out of view, the last error) and replies with text. Where the model has
   a chat format (`agentwin.chat.Chat`: its tokenizer's template, or a built-in one), the window is
-  a chat: the instructions, the task and the action list are its pinned system head, appended once
-  per run; each observation is a part of the user turn; the per-step prompt holds only what
-  changes (what is out of view, the current observation, the last error) and closes the user turn,
-  so the reply is the assistant's. Otherwise (models without one, e.g. the tiny test models) the
+  a chat: the instructions and the action list are its pinned system head, appended once per run
+  (the same for every task in one kind of environment, so tasks share the KV of the pages they
+  read alike); each observation is a part of the user turn; the per-step prompt holds the task
+  and what changes (what is out of view, the current observation, the last error) and closes the
+  user turn, so the reply is the assistant's. Otherwise (models without one, e.g. the tiny test models) the
   whole prompt is read after the observations as plain text. A decider with
   `use_actions(actions, arguments, window)` is told the actions first (`WindowDecider` holds its reply to
   their JSON schema and stops where the action object closes).
@@ -402,12 +403,13 @@ class AgentLoop:
         return int(self.window.append(head, pin=True))
 
     def system_text(self) -> str:
-        """A chat window's pinned head: the instructions, the task and the actions, which do not
-        change during a run."""
+        """A chat window's pinned head: the instructions and the actions, which change neither
+        during a run nor between tasks in the same kind of environment (the task itself is in
+        each step's prompt), so every task's observations follow the same head: workers sharing a
+        store reuse each other's KV for the same pages read in the same order."""
         return "\n".join([
             f"You are an agent working in {self.env.name}. The user shows you what you observe, one observation "
-            "at a time, and asks for your next action.",
-            f"Task: {self.task}",
+            "at a time, and asks for your next action towards a task.",
             "Reply with one JSON object naming an action and its arguments, for example "
             '{"action": "answer", "text": "..."}. Actions:',
             describe_actions(self.env.actions())])
@@ -417,7 +419,7 @@ class AgentLoop:
         out = [f"step {s} ({label})" for s, label in self._step_label.items()
                if not set(self._step_chunks[s]) & in_view and self._first_step_of(s) == s]
         if self.chat is not None:
-            lines = []
+            lines = [f"Task: {self.task}"]
             if out:
                 lines.append("Out of view, recall by step: " + "; ".join(out[-8:]))
             if self._current is not None:

@@ -245,16 +245,21 @@ def test_a_task_file_that_cannot_be_used_at_all(tmp_path, content, message):
     ({"kind": "doc", "source": "a.pdf", "question": "x", "task": "y"}, 'either "question" or "task"'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "max_steps": 0}, '"max_steps" must be a positive integer'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "rank": "low"}, '"rank" must be "budget", a positive integer or "exact"'),
-    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch": "all"}, '"patch" must be one of origin'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch": "all"}, '"patch" must be one of exact, survive'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "script": []}, '"script" must be a non-empty list'),
     ({"kind": "video", "source": "a.mp4", "question": "x", "fps": -1}, '"fps" must be a positive, finite number'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "fps": 2}, "unknown field(s) 'fps' for a doc task"),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 2}, '"patch_bytes" must be a fraction'),
-    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 0.1, "rank": 8},
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 0.1, "patch": "origin-akin", "rank": 8},
      '"patch_bytes" sets the patch ranks itself'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "patch_bytes": 0.1},
+     'patch_bytes set(s) the patches of a patch policy; give "patch": "origin-akin"'),
     ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0}, '"max_kl" must be a positive KL'),
-    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0.01, "rank": "exact"},
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0.01, "patch": "origin", "rank": "exact"},
      '"max_kl" is a fidelity target for low-rank patches'),
+    ({"kind": "doc", "source": "a.pdf", "question": "x", "max_kl": 0.01, "patch": "survive"},
+     "max_kl set(s) the patches of a patch policy; give \"patch\": \"origin-akin\" (or another patch policy) with it, "
+     "not 'survive'"),
 ])
 def test_parse_task_says_what_to_fix(obj, message):
     from agents.batch import TaskError
@@ -264,14 +269,15 @@ def test_parse_task_says_what_to_fix(obj, message):
 
 
 def test_patch_bytes_and_max_kl_reach_each_tasks_window(workload):
-    """A fidelity target, per task or for the batch, makes the window probe each new page's patch
-    (forwards counted as "guard"); the window's default budget does not (its guard is off)."""
+    """Under a patch policy, a fidelity target, per task or for the batch, makes the window probe
+    each new page's patch (forwards counted as "guard"); the window's default budget does not (its
+    guard is off)."""
     tasks, _ = workload
     base = tasks[0]
     plain = Task(id="plain", kind=base.kind, source=base.source, question=base.question, script=base.script,
-                 options=dict(base.options))
+                 options={**base.options, "patch": "origin-akin"})
     own = Task(id="own", kind=base.kind, source=base.source, question=base.question, script=base.script,
-               options={**base.options, "max_kl": 1e-9, "patch_bytes": 0.03})
+               options={**base.options, "patch": "origin-akin", "max_kl": 1e-9, "patch_bytes": 0.03})
     assert own.options["patch_bytes"] == 0.03
     records = _by_id(run_batch([plain, own], WorkerConfig(model=MODEL, threads=1)).records)
     assert records["plain"]["ok"] and records["own"]["ok"]
@@ -279,7 +285,7 @@ def test_patch_bytes_and_max_kl_reach_each_tasks_window(workload):
     batch = _by_id(run_batch([plain], WorkerConfig(model=MODEL, threads=1, max_kl=1e-9)).records)
     assert batch["plain"]["forwards"]["guard"] > 0
     exact = Task(id="exact", kind=base.kind, source=base.source, question=base.question, script=base.script,
-                 options={**base.options, "rank": None})
+                 options={**base.options, "patch": "origin-akin", "rank": None})
     cfg = WorkerConfig(model=MODEL, threads=1, max_kl=1e-9, patch_bytes=0.03)  # the batch's, where the task's rank allows
     assert _by_id(run_batch([exact], cfg).records)["exact"]["ok"]
 

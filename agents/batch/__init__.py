@@ -15,8 +15,9 @@ web), question or task, and optionally max_steps, budget_tokens, max_new_tokens,
 N or "exact"), patch (origin-akin | origin-similar | origin | fresh | none), patch_bytes (with
 rank "budget"), max_kl (a fidelity target, `agentwin.Window`), max_chars (doc), allow_hosts
 (web), segment_seconds and fps (video), and script: a list of actions (dicts or JSON strings)
-replayed by `agents.model.ScriptedDecider` instead of the model's own decisions; the model still
-encodes every observation, so encodes, forwards and store counts are real.
+replayed instead of the model's own decisions (`agents.batch.reads.ReadingScript`): each decision
+still reads the window after its prompt, so the chunks computed, forwards and store counts are
+the model's real work (all but the reply's tokens).
 
 A `Worker` loads its model once, opens the store once (`WorkerConfig.store`: None for RAM only, a
 directory, or a redis:// URL) and runs tasks one after another, each on a fresh window over that
@@ -30,6 +31,7 @@ stops the workers and propagates; what was already reported stays reported.
 This package imports no tensors library at import time (the worker imports the model when built).
 
 Modules: `tasks` (task records, parsing and checks, errors), `worker` (`WorkerConfig`, `Worker`),
+`reads` (what each read of a task's window held: chunks computed, placements, `ReadingScript`),
 `executors` (inline / process / Ray pools, `make_pool`), `runner` (`Scheduler`, `run_batch`,
 `BatchOutcome`, `summarize`). Every name is re-exported here: import from `agents.batch`.
 `cli` (the `agentwin batch` command's run) is not re-exported.
@@ -38,10 +40,11 @@ Modules: `tasks` (task records, parsing and checks, errors), `worker` (`WorkerCo
 from agents.batch.tasks import (COMMON_FIELDS, KIND_DEFAULTS, KIND_FIELDS, KINDS, PATCHES, BatchError, Task, TaskError,
                                 TaskFileError, failed_record, missing_sources, parse_task, read_tasks, task_to_json)
 from agents.batch.worker import Worker, WorkerConfig, make_env, open_task_store, redact, worker_store_location
+from agents.batch.reads import ReadingScript, ReadLedger, distinct_reads, placements_of
 from agents.batch.executors import BACKENDS, InlinePool, ProcessPool, RayPool, make_pool
 from agents.batch.runner import BatchOutcome, Scheduler, died_record, run_batch, summarize
 
-__all__ = ["BatchError", "BatchOutcome", "KINDS", "Scheduler", "Task", "TaskError", "TaskFileError", "Worker",
-           "WorkerConfig", "failed_record", "make_env", "missing_sources", "open_task_store", "parse_task", "read_tasks",
-           "redact", "run_batch",
-           "summarize", "task_to_json", "worker_store_location"]
+__all__ = ["BatchError", "BatchOutcome", "KINDS", "ReadLedger", "ReadingScript", "Scheduler", "Task", "TaskError",
+           "TaskFileError", "Worker", "WorkerConfig", "distinct_reads", "failed_record", "make_env", "missing_sources",
+           "open_task_store", "parse_task", "placements_of", "read_tasks", "redact", "run_batch", "summarize",
+           "task_to_json", "worker_store_location"]

@@ -16,21 +16,44 @@ Each worker loads the model (`--model`, default smollm2) once and takes tasks on
 worker runs in this process; `--workers N` runs N spawned processes; `--ray ADDRESS` runs them as
 Ray actors (`--ray local`: a local Ray with N CPUs; `--ray auto` or host:port: a running
 cluster, where sources must be readable by every node). The workers share `--store`, a directory
-or a redis:// URL, so content one worker encoded is read back by the others; without `--store`
+or a redis:// URL, so KV one worker computed is read back by the others; without `--store`
 every worker keeps its own RAM store. `--threads` torch threads per worker (default: the CPUs
-divided by the workers).
+divided by the workers). A task with a "script" reads the window at each decision as the model
+would (its next-token distribution after the prompt) and then replies from the script, so the
+window computes what a model-driven run computes, except the reply's tokens.
 
 Results go to `--out` (default stdout), one JSON line per task as it finishes: id, ok, stopped,
-answer, steps, error, attempts, worker, seconds, forwards by kind, and two counts of the store:
-- `encodes` / `chunks_from_store`: of the chunks the task appended, those whose canonical KV was
-  computed (an encode forward) / read from the store instead (another task, or another run,
-  encoded it); each appended chunk is one or the other.
+answer, steps, error, attempts, worker, seconds, forwards and forward_tokens by kind, and what the
+window computed and what it read from the store instead. A *placement* is a chunk after a given
+sequence of chunks; the exact window (patch "exact", `WorkerConfig`'s default) computes a chunk's
+in-context KV once per placement and keeps it in the store under that placement, for any window
+that reads the same chunks in the same order:
+- `chunks_computed`: chunks whose in-context KV the task computed at their placement (a first
+  pass, or again after the chunks before it changed); one forward may compute several, so this
+  is not `forwards`. Counted from the order of chunks at each read (`agents.batch.reads`); None
+  under the other policies. `chunk_tokens_computed`: the tokens those passes computed (any policy;
+  rows reused from an earlier pass after the same prefix are not computed).
+- `encodes`: canonical encodes (a chunk alone, forward kind "encode"): the patch policies' work
+  (under the others, only a recall by query needs one, for a chunk never read: its key summary).
+- `exact_hits` / `exact_hit_tokens`: placements the task's window was served from in-context KV
+  in the store instead of computing them: kept by another task, worker or run, or by this task
+  itself before (a chunk recalled to its old place); `waited`: those another worker was computing
+  when this task needed them, read once its entry was stored (this task waited on the store's
+  lease instead of computing them too).
+- `chunks_from_store`: chunks whose KV the task read from the store instead of computing it:
+  its exact hits, plus canonical KV read instead of encoded (patch policies). Under exact,
+  `chunks_computed + chunks_from_store` is the same for two tasks that read the same chunks in
+  the same order, whichever ran first.
+- `read_orders`: for each read, the chunks the window held, in order, as 16-hex-digit digests of
+  their token ids (None on a vision-language model): the placements a task read, from which the
+  batch's `distinct_placements` is counted.
 - `store_lookups`: the store's own counters over the task (hits, misses, and the Redis tier's
-  remote_hits, remote_misses): every lookup of any entry (canonical KV, patches, page pixels,
-  vision-tower outputs), the task's own writes read back included, so its hits can exceed
-  `chunks_from_store` even on an empty store; and its lease counters (lease_waits: entries
-  another worker was computing when this task asked, lease_hits: those it then read from that
-  worker instead of computing, lease_takeovers: those it computed after all).
+  remote_hits, remote_misses): every lookup of any entry (in-context KV, canonical KV, patches,
+  page pixels, vision-tower outputs), the task's own writes read back included, so its hits can
+  exceed `chunks_from_store` even on an empty store; and the counters of `get_or_compute`'s lease
+  (lease_waits: entries another worker was computing when this task asked, lease_hits: those it
+  then read from that worker instead of computing, lease_takeovers: those it computed after all),
+  which the vision-tower cache goes through; the window's waits on placements are `waited`.
 `--quiet` prints no progress: no task bar, and the workers load their model without its
 progress bars. A failed task is retried once on the next free worker; the rest
 go on. A line of the task file that cannot be used gives a failed record saying what to fix, and so
@@ -129,13 +152,25 @@ def report(outcome_records: list[dict[str, Any]], wall_s: float, out_name: str) 
     failed = [r for r in outcome_records if r.get("error")]
     print(f"\n{total['tasks']} tasks: {total['ok']} answered, {total['failed']} failed, "
           f"{total['tasks'] - total['ok'] - total['failed']} without an answer; "
-          f"{total['encodes']} encodes, {total['chunks_from_store']} chunks read from the store instead; "
+          f"{_computed(total)}, {total['chunks_from_store']} read from the store instead; "
           f"{wall_s:.1f} s; results in {out_name}",
           file=sys.stderr)
     for r in failed[:10]:
         print(f"  {r['id']}: {r['error']}", file=sys.stderr)
     if len(failed) > 10:
         print(f"  ... and {len(failed) - 10} more", file=sys.stderr)
+
+
+def _computed(total: dict[str, Any]) -> str:
+    """What the tasks computed, for the closing line: chunks at their placement and canonical encodes."""
+    parts = []
+    if total["chunks_computed"] is not None:
+        distinct = total["distinct_placements"]
+        parts.append(f"{total['chunks_computed']} chunks computed"
+                     + (f" ({distinct} distinct placements)" if distinct is not None else ""))
+    if total["encodes"] or not parts:
+        parts.append(f"{total['encodes']} canonical encodes")
+    return ", ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

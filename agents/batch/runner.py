@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from agents.batch.reads import distinct_reads
 from agents.batch.tasks import BatchError, Task, failed_record
 from agents.batch.worker import WorkerConfig
 
@@ -156,8 +157,13 @@ def _failure_text(failures: list[tuple[int, str]]) -> str:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over result records, under the records' own names: tasks, ok, failed, encodes,
-    chunks_from_store, forwards by kind, store_lookups (see `agents.batch` for what each counts)."""
+    """Totals over result records, under the records' own names (see `agents.batch.cli` for what
+    each counts): tasks, ok, failed, chunks_computed (None when a record's is None: a policy
+    other than exact), chunk_tokens_computed, encodes, exact_hits, waited, chunks_from_store,
+    forwards by kind, store_lookups; and distinct_chunks / distinct_placements, the different
+    chunks and placements the tasks' reads held (`agents.batch.reads.distinct_reads`; None on a
+    vision-language model). With one store and nothing dropped from it, the exact window computes
+    each distinct placement once: chunks_computed == distinct_placements."""
     forwards: dict[str, int] = {}
     lookups: dict[str, int] = {}
     for r in records:
@@ -165,11 +171,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             forwards[k] = forwards.get(k, 0) + v
         for k, v in (r.get("store_lookups") or {}).items():
             lookups[k] = lookups.get(k, 0) + v
-    chunks_from_store = sum(r.get("chunks_from_store", 0) for r in records)
+    ran = [r for r in records if "chunks_computed" in r]  # records of tasks that ran to a summary
+    computed = None if any(r["chunks_computed"] is None for r in ran) else sum(r["chunks_computed"] for r in ran)
+    seen = distinct_reads(records)
     return {"tasks": len(records), "ok": sum(1 for r in records if r.get("ok")),
-            "failed": sum(1 for r in records if r.get("error")),
-            "encodes": sum(r.get("encodes", 0) for r in records), "chunks_from_store": chunks_from_store,
+            "failed": sum(1 for r in records if r.get("error")), "chunks_computed": computed,
+            **{k: sum(r.get(k, 0) for r in records)
+               for k in ("chunk_tokens_computed", "encodes", "exact_hits", "waited", "chunks_from_store")},
+            "distinct_chunks": None if seen is None else seen[0],
+            "distinct_placements": None if seen is None else seen[1],
             "forwards": forwards, "store_lookups": lookups,
-            # The former names of the same two totals, still read by agentwin.eval.fleet_bench.
-            "store_hits": chunks_from_store, "store": lookups}
-
+            # The former names of two totals, still read by agentwin.eval.fleet_bench.
+            "store_hits": sum(r.get("chunks_from_store", 0) for r in records), "store": lookups}

@@ -135,23 +135,25 @@ class Worker:
         before = _store_counters(self.store)
         record = {"id": task.id, "line": task.line, "kind": task.kind, "source": task.source}
         try:
-            summary, stats = self._run(task)
+            summary, stats, ledger = self._run(task)
         except Exception as err:  # any failure of one task is recorded; the worker goes on
             record.update(ok=False, stopped="error", answer=None, steps=0, error=_error_text(err))
             if not _expected(err):
                 record["traceback"] = _short_traceback(err)
         else:
             error = summary.stopped[len("error: "):] if summary.stopped.startswith("error") else None
-            record.update(_summary_fields(summary, stats), ok=summary.stopped == "answer", error=error)
+            record.update(_summary_fields(summary, stats, ledger), ok=summary.stopped == "answer", error=error)
         after = _store_counters(self.store)
         record["store_lookups"] = {k: after[k] - before.get(k, 0) for k in after}
         record.update(attempts=attempt, worker=self.worker_id, host=socket.gethostname(),
                       seconds=round(time.perf_counter() - t0, 4))
         return _ordered(record)
 
-    def _run(self, task: Task) -> tuple[Any, Any]:
+    def _run(self, task: Task) -> tuple[Any, Any, Any]:
+        """The task run on a fresh window: (its RunSummary, the window's stats, the `ReadLedger` of its reads)."""
+        from agents.batch.reads import ReadingScript, ReadLedger
         from agents.loop import AgentLoop
-        from agents.model import ScriptedDecider, WindowDecider
+        from agents.model import WindowDecider
         from agentwin import Window
 
         cfg, opt = self.config, task.options
@@ -169,15 +171,16 @@ class Worker:
             max_kl=opt.get("max_kl", cfg.max_kl if rank is not None else None))
         window = Window(self.km, budget_tokens=opt.get("budget_tokens", cfg.budget_tokens or budget), patch=patch,
                         store=self.store, **settings)
-        decider = (ScriptedDecider(list(task.script)) if task.script is not None
+        decider = (ReadingScript(task.script) if task.script is not None
                    else WindowDecider(opt.get("max_new_tokens", cfg.max_new_tokens)))
+        ledger = ReadLedger(decider, counts=window.policy == "exact", digests=not getattr(self.km, "is_vlm", False))
         env = make_env(task, self.km)
         try:
-            result = AgentLoop(env, window, decider, task.question,
+            result = AgentLoop(env, window, ledger, task.question,
                                max_steps=opt.get("max_steps", cfg.max_steps or steps)).run()
         finally:
             env.close()
-        return result.summary, window.stats()
+        return result.summary, window.stats(), ledger
 
 
 def make_env(task: Task, km: Any) -> Any:
@@ -197,8 +200,8 @@ def make_env(task: Task, km: Any) -> Any:
                     fps=task.options.get("fps", 2.0))
 
 
-_FIRST = ("id", "ok", "answer", "stopped", "steps", "error", "encodes", "chunks_from_store", "attempts", "worker",
-          "seconds")
+_FIRST = ("id", "ok", "answer", "stopped", "steps", "error", "chunks_computed", "encodes", "chunks_from_store",
+          "waited", "attempts", "worker", "seconds")
 
 
 def _ordered(record: dict[str, Any]) -> dict[str, Any]:
@@ -206,15 +209,20 @@ def _ordered(record: dict[str, Any]) -> dict[str, Any]:
     return {**{k: record[k] for k in _FIRST if k in record}, **record}
 
 
-def _summary_fields(summary: Any, stats: Any) -> dict[str, Any]:
+def _summary_fields(summary: Any, stats: Any, ledger: Any) -> dict[str, Any]:
+    """A finished task's fields (what each counts: `agents.batch.cli`)."""
     forwards = {k: int(v) for k, v in stats.forwards.items() if v}
+    tokens = {k: int(v) for k, v in stats.forward_tokens.items() if v}
     return {"stopped": summary.stopped, "answer": summary.answer, "steps": summary.steps,
-            "encodes": forwards.get("encode", 0), "forwards": forwards,
-            "forward_tokens": {k: int(v) for k, v in stats.forward_tokens.items() if v},
-            "chunks_from_store": summary.store_hits, "content_hits": summary.content_hits,
-            "evictions": summary.evictions, "recalls": summary.recalls,
+            "chunks_computed": ledger.chunks_computed(stats),
+            "chunk_tokens_computed": tokens.get("in_context", 0) + tokens.get("recompute", 0),
+            "encodes": forwards.get("encode", 0), "exact_hits": stats.exact_hits,
+            "exact_hit_tokens": stats.exact_hit_tokens, "waited": stats.waited,
+            "chunks_from_store": stats.canonical_hits + stats.exact_hits, "forwards": forwards, "forward_tokens": tokens,
+            "content_hits": summary.content_hits, "evictions": summary.evictions, "recalls": summary.recalls,
             "encoder_calls": summary.encoder_calls, "encoder_hits": summary.encoder_hits,
-            "malformed_replies": summary.malformed_replies, "refused_actions": summary.refused_actions}
+            "malformed_replies": summary.malformed_replies, "refused_actions": summary.refused_actions,
+            "read_orders": ledger.read_orders}
 
 
 def _expected(err: BaseException) -> bool:

@@ -1,9 +1,10 @@
 """agents.batch and `agentwin batch`: task files, retries, and pools of workers sharing one store.
 
-Twelve document tasks over three PDFs written here (tiny Llama, scripted decisions, so answers are
-fixed while every encode is real), plus one task whose PDF is missing. One worker in this process
-is the reference; two spawned processes and two Ray actors must give the same answers, and a
-shared directory store must save encodes against private stores."""
+Twelve document tasks over three PDFs written here (tiny Llama, scripted decisions that still read
+the window, so answers are fixed while every chunk computed is real), plus one task whose PDF is
+missing. One worker in this process is the reference; two spawned processes and two Ray actors
+must give the same answers, and a shared directory store must compute fewer chunks than private
+stores: each distinct placement (a chunk after the chunks before it) once."""
 
 from __future__ import annotations
 
@@ -87,37 +88,63 @@ def test_one_worker_runs_every_task_and_retries_a_failure_once(reference):
     for i in range(12):
         r = records[f"t{i:02d}"]
         assert r["ok"] and r["answer"] == f"{list(DOCS)[i % 3]} answer {i}" and r["attempts"] == 1 and r["worker"] == 0
-        assert r["encodes"] == r["forwards"].get("encode", 0) and r["seconds"] > 0
-    # One worker, one store: every distinct chunk is encoded once, by the first task that shows it
-    # (tasks 0-2 read each PDF's pages, 6-8 search each PDF once); the others read the store.
-    encodes = [records[f"t{i:02d}"]["encodes"] for i in range(12)]
-    assert encodes == [3, 3, 3, 0, 0, 0, 1, 1, 1, 0, 0, 0] and sum(encodes) == DISTINCT_CHUNKS
+        assert r["encodes"] == r["forwards"].get("encode", 0) == 0 and r["seconds"] > 0  # the exact window: none
+        assert r["forwards"]["query"] == len(r["read_orders"]) == r["steps"]  # every decision read the window
+    # One worker, one store: every distinct placement is computed once, by the first task that reads it.
+    # Tasks 0-2 go 1, 2, 3, back to 1 with room for two pages: [1] [1 2] [2 3] [3 1], six placements;
+    # tasks 3-5 go 1, 3, 2, 1, 3: [1 3], [3 2] and [2 1] are new; tasks 6-8 search (a new chunk) in
+    # between, its pages' lengths deciding what is evicted; tasks 9-11 repeat tasks 0-2: all from the store.
+    computed = [records[f"t{i:02d}"]["chunks_computed"] for i in range(12)]
+    total = summarize(reference.records)
+    assert computed == [6, 6, 6, 3, 3, 3, 1, 3, 3, 0, 0, 0]
+    assert sum(computed) == total["chunks_computed"] == total["distinct_placements"] > total["distinct_chunks"]
+    assert total["distinct_chunks"] == DISTINCT_CHUNKS  # from the digests of what the reads held
+    # One forward computes every chunk a read finds waiting: after the slide [2 3] two chunks, one forward.
+    first = records["t00"]
+    assert first["forwards"]["in_context"] + first["forwards"]["recompute"] == first["chunks_computed"] - 1
     assert all(records[f"t{i:02d}"]["chunks_from_store"] > 0 for i in range(3, 12))
     assert all(records[f"t{i:02d}"]["recalls"] >= 1 for i in (0, 1, 2, 3, 9))  # pages seen again came back
     missing = records["missing"]
     assert missing["attempts"] == 2 and missing["error"].endswith("no such file; give the path of a PDF")
-    assert summarize(reference.records)["failed"] == 1
+    assert total["failed"] == 1
 
 
 def test_result_lines_name_what_each_store_count_counts(reference):
-    """chunks_from_store: chunks whose canonical KV a task read from the store instead of encoding
-    (so encodes + chunks_from_store is the same for two tasks on the same pages, whoever came
-    first); store_lookups: the store's own counters over the task, every entry kind, its own
-    writes read back included. The names that read alike ("store_hits" beside "store") are gone."""
+    """chunks_computed: chunks whose in-context KV a task computed at their placement; exact_hits:
+    placements served from the store instead (a chunk recalled to its old place included), which
+    are its chunks_from_store under the exact window. So chunks_computed + chunks_from_store is the
+    same for two tasks that read the same chunks in the same order, whoever came first.
+    store_lookups: the store's own counters over the task, every entry kind, its own writes read
+    back included. The names that read alike ("store_hits" beside "store") are gone."""
     records = _by_id(reference.records)
     for i in range(12):
         r = records[f"t{i:02d}"]
         assert "store_hits" not in r and "store" not in r
         assert set(r["store_lookups"]) == {"hits", "misses", "remote_hits", "remote_misses", "lease_waits",
                                            "lease_hits", "lease_takeovers"}
-        assert r["store_lookups"]["lease_waits"] == 0  # one worker: nobody else holds a lease
-        assert r["store_lookups"]["hits"] >= r["chunks_from_store"] and r["store_lookups"]["misses"] >= r["encodes"]
+        assert r["store_lookups"]["lease_waits"] == r["waited"] == 0  # one worker: nobody else holds a lease
+        assert r["chunks_from_store"] == r["exact_hits"] and r["exact_hit_tokens"] >= r["exact_hits"]
+        assert r["store_lookups"]["hits"] >= r["chunks_from_store"]
+        assert r["store_lookups"]["misses"] == r["chunks_computed"]  # each looked up, then computed
+        assert (r["chunk_tokens_computed"] > 0) == (r["chunks_computed"] > 0)
     first, again = records["t00"], records["t09"]  # the same PDF and the same moves
-    assert first["chunks_from_store"] == 0 and first["store_lookups"]["hits"] > 0  # its own pages read back
-    assert again["encodes"] == 0 and again["chunks_from_store"] == first["encodes"] > 0
+    assert again["read_orders"] == first["read_orders"]
+    assert first["chunks_from_store"] == 0 and first["store_lookups"]["hits"] > 0  # its own entries read back
+    assert again["chunks_computed"] == again["chunk_tokens_computed"] == 0
+    assert again["chunks_from_store"] == first["chunks_computed"] > 0
     total = summarize(reference.records)
     assert total["chunks_from_store"] == sum(r.get("chunks_from_store", 0) for r in reference.records)
     assert total["store_lookups"]["hits"] == sum(r["store_lookups"]["hits"] for r in reference.records)
+
+
+def _placements_per_worker(records):
+    """The distinct placements of the tasks each worker ran, summed over the workers."""
+    from agents.batch import distinct_reads
+
+    by_worker = {}
+    for r in records:
+        by_worker.setdefault(r.get("worker"), []).append(r)
+    return sum(distinct_reads(rs)[1] for rs in by_worker.values())
 
 
 def test_quiet_batch_prints_no_weight_loading_bars(tmp_path, workload, monkeypatch, capfd):
@@ -147,7 +174,7 @@ def test_quiet_batch_prints_no_weight_loading_bars(tmp_path, workload, monkeypat
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_worker_and_a_shared_store_saves_encodes(workload, reference):
+def test_two_processes_match_one_worker_and_a_shared_store_computes_each_placement_once(workload, reference):
     tasks, folder = workload
     shared = run_batch(tasks, WorkerConfig(model=MODEL, store=str(folder / "store-shared"), threads=1),
                        workers=2, backend="processes", wait_for_workers=True)
@@ -157,13 +184,17 @@ def test_two_processes_match_one_worker_and_a_shared_store_saves_encodes(workloa
         _check_against_reference(outcome, reference)
         assert sorted(w["worker"] for w in outcome.workers) == [0, 1]
     assert (folder / "store-private" / "worker-0").is_dir() and (folder / "store-private" / "worker-1").is_dir()
-    distinct = summarize(reference.records)["encodes"]  # one worker, one store: every distinct chunk once
-    assert distinct == DISTINCT_CHUNKS
-    enc_shared, enc_private = summarize(shared.records)["encodes"], summarize(private.records)["encodes"]
-    print(f"encodes: one worker {distinct}, shared {enc_shared}, private {enc_private}")
-    assert distinct <= enc_shared <= enc_private / 2 + distinct
-    assert enc_private <= 2 * distinct  # a private store still encodes each chunk once per worker
-    assert summarize(shared.records)["chunks_from_store"] > summarize(private.records)["chunks_from_store"]
+    distinct = summarize(reference.records)["distinct_placements"]
+    assert summarize(shared.records)["distinct_placements"] == summarize(private.records)["distinct_placements"] == distinct
+    # Shared: each placement once across both workers (one that needs a placement the other is computing waits for
+    # it); private: once per worker that reads it.
+    total_shared, total_private = summarize(shared.records), summarize(private.records)
+    print(f"chunks computed: distinct placements {distinct}, shared {total_shared['chunks_computed']}, "
+          f"private {total_private['chunks_computed']}, waited {total_shared['waited']}")
+    assert total_shared["chunks_computed"] == distinct
+    assert total_private["chunks_computed"] == _placements_per_worker(private.records) > distinct
+    assert total_private["waited"] == 0 and total_shared["waited"] <= total_shared["exact_hits"]
+    assert total_shared["chunks_from_store"] > total_private["chunks_from_store"]
 
 
 @pytest.mark.slow
@@ -178,9 +209,21 @@ def test_two_ray_actors_match_one_worker(workload, reference):
     finally:
         ray.shutdown()
     _check_against_reference(outcome, reference)
-    distinct = summarize(reference.records)["encodes"]
-    assert distinct <= summarize(outcome.records)["encodes"] <= 2 * distinct
+    assert summarize(outcome.records)["chunks_computed"] == summarize(reference.records)["distinct_placements"]
     assert {w["worker"] for w in outcome.workers} == {0, 1}
+
+
+def test_a_patch_policy_task_counts_canonical_encodes_not_placements(workload):
+    """Under a patch policy a chunk is served from its canonical KV (encoded alone, counted in
+    encodes) and a patch: chunks_computed, which counts exact placements, is None there."""
+    tasks, _ = workload
+    base = tasks[0]
+    patched = Task(id="patched", kind=base.kind, source=base.source, question=base.question, script=base.script,
+                   options={**base.options, "patch": "origin-akin"})
+    records = _by_id(run_batch([patched], WorkerConfig(model=MODEL, threads=1)).records)
+    r = records["patched"]
+    assert r["ok"] and r["chunks_computed"] is None and r["encodes"] == r["forwards"]["encode"] > 0
+    assert r["exact_hits"] == 0 and summarize([r])["chunks_computed"] is None
 
 
 # ---- task files --------------------------------------------------------------------------------
@@ -374,6 +417,18 @@ def test_cli_writes_one_result_line_per_task_and_reports_bad_lines(tmp_path, wor
     assert sorted(r["id"] for r in records[1:]) == ["t00", "t01", "t02", "t03"] and all(r["ok"] for r in records[1:])
     err = capsys.readouterr().err
     assert "5 tasks: 4 answered, 1 failed" in err and "line 5:" in err
+    assert f"{summarize(records)['chunks_from_store']} read from the store instead" in err
+
+
+def test_closing_line_counts_the_chunks_computed_against_the_distinct_placements(reference, capsys):
+    from agents.batch.cli import report
+
+    report(reference.records, 1.5, "r.jsonl")
+    total = summarize(reference.records)
+    assert total["chunks_computed"] == total["distinct_placements"] > 0 and total["encodes"] == 0
+    assert (f"13 tasks: 12 answered, 1 failed, 0 without an answer; {total['chunks_computed']} chunks computed "
+            f"({total['distinct_placements']} distinct placements), {total['chunks_from_store']} read from the store "
+            "instead; 1.5 s; results in r.jsonl") in capsys.readouterr().err
 
 
 def test_cli_ctrl_c_keeps_finished_results_and_resume_runs_the_rest(tmp_path, workload, monkeypatch, capsys):
@@ -423,19 +478,21 @@ def test_cli_unusable_task_file_is_exit_2(tmp_path, capsys):
 
 # ---- a Redis store -----------------------------------------------------------------------------
 
-def test_workers_share_canonical_kv_through_redis(workload, reference, server):
+def test_workers_share_placements_through_redis(workload, reference, server):
     """Two workers one after the other (each a fresh store object: empty RAM) on a test-started
-    redis-server: the second encodes nothing and reads everything from the remote tier."""
+    redis-server: the second computes nothing and reads every placement from the remote tier."""
     tasks, _ = workload
     config = WorkerConfig(model=MODEL, store=server.url, threads=1)
     first = run_batch(tasks[:12], config)
     second = run_batch(tasks[:12], config)
-    assert summarize(first.records)["encodes"] == DISTINCT_CHUNKS and summarize(second.records)["encodes"] == 0
+    distinct = summarize(first.records)["distinct_placements"]
+    assert distinct == summarize(reference.records)["distinct_placements"]
+    assert summarize(first.records)["chunks_computed"] == distinct and summarize(second.records)["chunks_computed"] == 0
     for outcome in (first, second):
         assert {r["id"]: r["answer"] for r in outcome.records} == \
                {r["id"]: r["answer"] for r in reference.records if r["id"] != "missing"}
     remote = summarize(second.records)["store_lookups"]
-    assert remote["remote_hits"] >= DISTINCT_CHUNKS and summarize(first.records)["store_lookups"]["remote_hits"] == 0
+    assert remote["remote_hits"] >= distinct and summarize(first.records)["store_lookups"]["remote_hits"] == 0
 
 
 # ---- bad input is refused before a model loads -------------------------------------------------

@@ -180,6 +180,4 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                for k in ("chunk_tokens_computed", "encodes", "exact_hits", "waited", "chunks_from_store")},
             "distinct_chunks": None if seen is None else seen[0],
             "distinct_placements": None if seen is None else seen[1],
-            "forwards": forwards, "store_lookups": lookups,
-            # The former names of two totals, still read by agentwin.eval.fleet_bench.
-            "store_hits": sum(r.get("chunks_from_store", 0) for r in records), "store": lookups}
+            "forwards": forwards, "store_lookups": lookups}

@@ -2,10 +2,12 @@
 
 The workload: `--docs` PDFs written here (3 pages each, distinct text) and `--tasks` document
 tasks over them, round robin, so every PDF is read by several tasks. Each task replays a fixed
-script (next, next, goto 1, answer) through `agents.batch` with `agents.model.ScriptedDecider`:
-both runs do the same navigation, and every encode and forward is the model's real work. The
-default model is the real SmolLM2 with 12 tasks over 3 PDFs; `--quick` uses tiny-llama-gqa and
-6 tasks.
+script (next, next, goto 1, answer) through `agents.batch` (`agents.batch.reads.ReadingScript`:
+each decision reads the window after its prompt, as the model's own would, then takes the
+script's reply): both runs do the same navigation, and every chunk computed and every forward is
+the model's real work. Tasks over one PDF read the same pages in the same order, so after the
+first of them every placement they need is one a store can already hold. The default model is
+the real SmolLM2 with 12 tasks over 3 PDFs; `--quick` uses tiny-llama-gqa and 6 tasks.
 
 The same tasks run on `--workers` spawned worker processes (each loads the model once,
 `--threads` torch threads each, the same on both sides), `--repeats` times per side, the order of the
@@ -15,24 +17,44 @@ always gets the cold first run:
   the server starts cold for this run) or, without --store, one directory;
 - private: every worker has its own directory store (nothing is shared between workers).
 
-Figures (JSON with `--json FILE`):
-- encodes_shared / encodes_private: canonical encodes summed over tasks, from each task's window
-  stats (`stats.forwards["encode"]`); `distinct_chunks` is the number of different pages, the
-  least any run must encode. A shared run encodes each distinct page once when the window's
-  canonical encodes go through the store's lease (`ChunkStore.get_or_compute`): two workers
-  opening the same new page at once then encode it once, the other waits for its entry;
-- lease_waits_shared / lease_hits_shared / lease_takeovers_shared: the shared store's lease
-  counters summed over the tasks of the first shared repeat: a worker asking for an entry another
-  worker was computing, the entry then read from that worker (a compute it did not run), or
-  computed after all (the holder's lease lapsed or ran out of time); *_runs: every repeat's;
+Figures (JSON with `--json FILE`). A *placement* is a chunk after a given sequence of chunks: the
+workers' windows (the default, exact) compute a chunk's in-context KV once per placement and keep
+it in the store under its placement key (`agentwin.prefix`), so a worker that reads the same chunks
+in the same order is served it with no forward:
+- encodes_shared / encodes_private: the chunk computations of the run, summed over tasks: chunks
+  computed at their placement (`chunks_computed` of the batch records: in-context passes of
+  chunks, first ones and recomputes; one forward may compute several) plus canonical encodes
+  (`encodes`, which only the patch policies run: 0 here);
+- distinct_placements: the different placements the tasks' reads held (from each task's
+  `read_orders`, the chunks its window held at each read), the fewest computations any run can
+  do; a shared run does exactly that many: a placement is computed by the first worker that needs
+  it, and a worker that needs it while another computes it waits for that worker's entry (the
+  store's lease on the placement key, taken by the window). The bench checks that every repeat
+  of either side read the same placements. distinct_chunks: the different chunks read (pages, and
+  the chat head of a model with a chat format);
+- distinct_placements_private: the same per private store, summed over them: the distinct
+  placements of the tasks each worker ran (what private stores compute, since they share
+  nothing); *_private_runs: every repeat's, as the tasks' split over the workers varies;
+- waited_shared: placements a worker's window waited for while another worker computed them,
+  summed over the tasks of the first shared repeat (the window's `waited`); *_runs: every
+  repeat's; exact_hits_shared / exact_hits_private: placements served from the store's
+  in-context KV instead of computed (another task's, or the task's own for a chunk recalled to its
+  old place); chunk_tokens_computed_shared / _private: the tokens of the chunk computations;
+- lease_waits_shared / lease_hits_shared / lease_takeovers_shared: the counters of the store's
+  `get_or_compute` lease (the vision-tower cache goes through it; a text model's tasks never do,
+  and these are 0), summed over the tasks of the first shared repeat: a worker asking for an entry
+  another worker was computing, the entry then read from that worker (a compute it did not run),
+  or computed after all (the holder's lease lapsed or ran out of time); *_runs: every repeat's;
 - remote_hit_rate: with Redis, remote hits / (remote hits + remote misses) of the shared run (the
   store's counters, summed over tasks); with a directory, the shared directory's hit rate for
-  canonical KV instead: store hits / (store hits + encodes) (`hit_rate_kind` says which);
+  chunks instead: chunks read from the store / (read + computed) (`hit_rate_kind` says which);
+  store_hits_shared / store_hits_private: the chunks read from the store (`chunks_from_store`);
 - wall_s_shared / wall_s_private: the median over repeats of the time from the moment every
   worker is ready (tasks are held until then) to the last result; wall_s_*_min the least and
   wall_s_*_runs every repeat; model loading is reported apart as startup_s_* (median);
-- encodes_* and store hits are those of the first repeat of each side; encodes_*_runs has every
-  repeat's (each repeat starts from an empty store: a fresh directory, or a fresh Redis tenant);
+- encodes_*, store hits and exact hits are those of the first repeat of each side;
+  encodes_*_runs has every repeat's (each repeat starts from an empty store: a fresh directory,
+  or a fresh Redis tenant);
 - remote_get_mb_s: read throughput of the shared tier on this machine: `--get-entries` entries of
   `--get-entry-mb` MiB are put, then a fresh store object (empty RAM tier) times `store.get` of
   each; with a directory this reads local files (likely from the page cache; `get_tier` says so);
@@ -142,16 +164,40 @@ def run_fleet(tasks: list[Any], model: str, workers: int, threads: int, store: s
             "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
 
 
+def computations(run: dict[str, Any]) -> int:
+    """The chunk computations of one run: chunks computed at their placement plus canonical encodes."""
+    total = run["total"]
+    if total["chunks_computed"] is None:
+        raise RuntimeError("the batch records do not count the chunks computed (a window policy other than exact); "
+                           "this indicates a bug")
+    return total["chunks_computed"] + total["encodes"]
+
+
+def placements_read(run: dict[str, Any]) -> tuple[int, int, int]:
+    """(distinct chunks, distinct placements, the sum over workers of the distinct placements of
+    the tasks each ran) that one run's reads held."""
+    from agents.batch import distinct_reads
+
+    seen = distinct_reads(run["records"])
+    if seen is None:
+        raise RuntimeError("the batch records do not name the chunks read (a vision-language model); "
+                           "this indicates a bug")
+    by_worker: dict[Any, list[dict[str, Any]]] = {}
+    for r in run["records"]:
+        by_worker.setdefault(r.get("worker"), []).append(r)
+    return seen[0], seen[1], sum(distinct_reads(rs)[1] for rs in by_worker.values())
+
+
 def hit_rate(run: dict[str, Any], redis: bool) -> tuple[float | None, str]:
     """(rate, what it is) of a shared run; see the module docstring."""
     if redis:
-        store = run["total"]["store"]
+        store = run["total"]["store_lookups"]
         hits, misses = store.get("remote_hits", 0), store.get("remote_misses", 0)
         return (hits / (hits + misses) if hits + misses else None,
                 "redis remote tier: remote hits / (remote hits + remote misses), summed over tasks")
-    hits, encodes = run["total"]["store_hits"], run["total"]["encodes"]
-    return (hits / (hits + encodes) if hits + encodes else None,
-            "shared directory (no Redis): canonical KV served by the store / (served + encoded)")
+    hits, computed = run["total"]["chunks_from_store"], computations(run)
+    return (hits / (hits + computed) if hits + computed else None,
+            "shared directory (no Redis): chunks read from the store / (read + computed)")
 
 
 def measure_get(location: str, fingerprint: str, entries: int, entry_mb: float) -> dict[str, Any]:
@@ -212,6 +258,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     runs["private"].append(run_fleet(tasks, model, args.workers, threads, str(folder / f"private-{r}"),
                                                      True, "", label, progress))
         shared, private = runs["shared"][0], runs["private"][0]
+        read = {side: [placements_read(x) for x in runs[side]] for side in runs}
+        if any(seen[:2] != read["shared"][0][:2] for side in runs for seen in read[side]):
+            raise RuntimeError(f"the runs read different chunks or placements ({read}) although their tasks are the "
+                               "same; this indicates a bug")
         fingerprint = shared["workers"][0]["fingerprint"]
         get_location = args.store or str(folder / "shared-get")
         get = measure_get(get_location, fingerprint, args.get_entries, args.get_entry_mb)
@@ -219,16 +269,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "fleet", "model": model, "quick": bool(args.quick), "workers": args.workers,
         "threads_per_worker": threads, "cpu_count": os.cpu_count(), "tasks": n_tasks, "docs": args.docs,
-        "distinct_chunks": args.docs * 3,
+        "distinct_chunks": read["shared"][0][0], "distinct_placements": read["shared"][0][1],
+        "distinct_placements_private": read["private"][0][2],
+        "distinct_placements_private_runs": [seen[2] for seen in read["private"]],
         "shared_store": redact(args.store) if redis else "a directory on local disk shared by the workers",
         "private_store": "a directory per worker",
-        "encodes_shared": shared["total"]["encodes"], "encodes_private": private["total"]["encodes"],
+        "encodes_shared": computations(shared), "encodes_private": computations(private),
         "remote_hit_rate": rate, "hit_rate_kind": kind,
-        "store_hits_shared": shared["total"]["store_hits"], "store_hits_private": private["total"]["store_hits"],
+        "store_hits_shared": shared["total"]["chunks_from_store"],
+        "store_hits_private": private["total"]["chunks_from_store"],
+        "exact_hits_shared": shared["total"]["exact_hits"], "exact_hits_private": private["total"]["exact_hits"],
+        "chunk_tokens_computed_shared": shared["total"]["chunk_tokens_computed"],
+        "chunk_tokens_computed_private": private["total"]["chunk_tokens_computed"],
+        "waited_shared": shared["total"]["waited"], "waited_shared_runs": [x["total"]["waited"] for x in runs["shared"]],
         "forwards_shared": shared["total"]["forwards"], "forwards_private": private["total"]["forwards"],
         "repeats": args.repeats,
-        "encodes_shared_runs": [x["total"]["encodes"] for x in runs["shared"]],
-        "encodes_private_runs": [x["total"]["encodes"] for x in runs["private"]],
+        "encodes_shared_runs": [computations(x) for x in runs["shared"]],
+        "encodes_private_runs": [computations(x) for x in runs["private"]],
         **{f"{k}_shared": leases(shared)[k] for k in LEASE_COUNTERS},
         **{f"{k}_shared_runs": [leases(x)[k] for x in runs["shared"]] for k in LEASE_COUNTERS},
         **{f"{k}_{side}": v for side in ("shared", "private") for k, v in walls(runs[side]).items()},
@@ -277,8 +334,11 @@ def format_table(r: dict[str, Any]) -> str:
     rate = "n/a" if r["remote_hit_rate"] is None else f"{r['remote_hit_rate']:.2f}"
     rows = [
         ("model / workers x threads", f"{r['model']} / {r['workers']} x {r['threads_per_worker']}"),
-        ("tasks over documents", f"{r['tasks']} over {r['docs']} PDFs ({r['distinct_chunks']} distinct pages)"),
-        ("encodes shared / private", f"{r['encodes_shared']} / {r['encodes_private']}"),
+        ("tasks over documents", f"{r['tasks']} over {r['docs']} PDFs ({r['distinct_chunks']} distinct chunks, "
+                                 f"{r['distinct_placements']} distinct placements)"),
+        ("chunks computed shared / private", f"{r['encodes_shared']} / {r['encodes_private']} (distinct placements "
+                                             f"{r['distinct_placements']} / {r['distinct_placements_private']})"),
+        ("placements waited for (shared)", f"{r['waited_shared']}"),
         ("lease waits / hits / takeovers (shared)",
          f"{r['lease_waits_shared']} / {r['lease_hits_shared']} / {r['lease_takeovers_shared']}"),
         ("hit rate (shared)", f"{rate} ({r['hit_rate_kind']})"),

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads for every strategy (default 2)")
     parser.add_argument("--greedy", type=int, default=None, help="greedy tokens per read (default 16; 4 with --quick)")
     parser.add_argument("--reads", type=int, default=None, help="reads per session (default 30; 7 with --quick)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes running sessions side by side, each with --threads threads (default 1: "
+                             "this process); every strategy of a session runs in one process")
     parser.add_argument("--repeats", type=int, default=None,
                         help="replays of the timed strategies for wall time (default 3; 1 with --quick)")
 
@@ -49,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace) -> str:
     parts = ["agentwin bench sessions", "--model", args.model]
     for flag, value in (("--json", args.json), ("--kinds", args.kinds), ("--greedy", args.greedy),
+                        ("--jobs", args.jobs if args.jobs != 1 else None),
                         ("--reads", args.reads), ("--repeats", args.repeats)):
         if value is not None:
             parts += [flag, str(value)]
@@ -83,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
     if bad or not kinds:
         print(f"error: --kinds must name session kinds among {','.join(KINDS)}, got {args.kinds!r}", file=sys.stderr)
         return 2
-    if args.threads < 1 or greedy < 1 or repeats < 1 or reads < 3:
-        print("error: --threads, --greedy and --repeats must be positive and --reads at least 3", file=sys.stderr)
+    if args.threads < 1 or greedy < 1 or repeats < 1 or reads < 3 or args.jobs < 1:
+        print("error: --threads, --jobs, --greedy and --repeats must be positive and --reads at least 3", file=sys.stderr)
         return 2
     from agentwin import KameraModel
-    from agentwin.eval.session_bench import run_benchmark
+    from agentwin.eval.session_bench import Runner, run_benchmark
     from agentwin.eval.sessions import make_session
     from agentwin.eval.sessions_page import render_page
     from agentwin.eval.trace import to_jsonable
@@ -100,21 +104,27 @@ def run(args: argparse.Namespace) -> int:
     load_start = os.getloadavg()
     saved = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    runner = None
     try:
         torch.manual_seed(0)
         km = KameraModel.from_pretrained(args.model)
-        floor_model = load_real(args.model, torch.bfloat16)[0]
         seeds = (VALIDATION_SEEDS[:1] + TEST_SEEDS[:1]) if args.quick else VALIDATION_SEEDS + TEST_SEEDS
         in_view = QUICK_IN_VIEW if args.quick else IN_VIEW
         sessions = [make_session(kind, seed, km, reads, in_view=in_view) for kind in kinds for seed in seeds]
-        result = run_benchmark(km, floor_model, sessions, greedy=greedy, repeats=repeats, quick=args.quick, log=log)
+        if args.jobs > 1:
+            runner = Runner(args.model, args.threads, args.jobs)
+        else:
+            runner = Runner(args.model, args.threads, 1, km, load_real(args.model, torch.bfloat16)[0])
+        result = run_benchmark(runner, sessions, greedy=greedy, repeats=repeats, quick=args.quick, log=log)
     finally:
+        if runner is not None:
+            runner.close()
         torch.set_num_threads(saved)
     result = to_jsonable({
         **result, "model": f"{REAL[args.model][0]} ({args.model}; GGUF de-quantized to float32; noise floor: the same "
                            "model loaded in bfloat16)",
         "model_name": args.model, "command": _command(args),
-        "settings": {"threads": args.threads, "greedy": greedy, "reads": reads, "repeats": repeats, "quick": args.quick,
+        "settings": {"threads": args.threads, "jobs": args.jobs, "greedy": greedy, "reads": reads, "repeats": repeats, "quick": args.quick,
                      "kinds": list(kinds), "seeds": list(seeds)},
         "commit": _commit(), "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "elapsed_s": time.perf_counter() - t0})

@@ -15,8 +15,8 @@ Strategies (each replays the identical operations; `agentwin.eval.strategies`):
   window's patch defaults (6% of each chunk's KV bytes); origin-akin's byte budget is also swept
   on validation.
 
-Protocol: the validation seeds run every strategy and every setting of the swept ones; each swept
-strategy's setting is chosen there (the fewest forwarded tokens among the settings that meet the
+Protocol: the validation seeds run prefix caching and every setting of the swept strategies; each
+swept strategy's setting is chosen there (the fewest forwarded tokens among the settings that meet the
 contract on validation, pooled: KL at most `KL_OVER_FLOOR` times the floor's and greedy-16 within
 `GREEDY_POINTS` of the floor's; else the lowest KL); the test seeds run each strategy once at its
 chosen setting, and the figures are pooled over the test seeds. Forwarded tokens count every token
@@ -35,7 +35,7 @@ from agentwin.eval.trace import Run, Trace, measure, row_of, score, summarize
 from agentwin.policies import Refresh
 
 STRATEGIES = ("prefix", "default", "survive", "refresh", "blind", "origin", "origin-akin", "orbit", "fresh")
-TIMED = ("prefix", "default", "refresh")  # replayed `repeats` times for their wall time
+TIMED = ("prefix", "default")  # replayed `repeats` times for their wall time (the targets' ratio)
 KL_OVER_FLOOR = 2.0
 GREEDY_POINTS = 0.05
 TOKENS_TARGET = 0.6
@@ -165,45 +165,90 @@ def choose(sessions: Sequence[dict], strategy: str, settings: Sequence[Any]) -> 
             "validation": {setting_name(strategy, s): f for s, f in scored}}
 
 
-def run_benchmark(km: Any, floor_model: Any, sessions: Sequence[Trace], greedy: int = 16, repeats: int = 3,
+class Runner:
+    """Runs sessions in this process, or on `jobs` spawned worker processes (each loads the model
+    and its bfloat16 copy once and runs `threads` torch threads): sessions are independent, and
+    every strategy of one session runs in the same process, back to back."""
+
+    def __init__(self, model: str, threads: int, jobs: int = 1, km: Any = None, floor_model: Any = None) -> None:
+        self.model, self.threads, self.jobs = model, threads, jobs
+        self.km, self.floor_model = km, floor_model
+        self._pool = None
+        if jobs > 1:
+            import multiprocessing as mp
+
+            self._pool = mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(model, threads))
+
+    def run(self, traces: Sequence[Trace], plans: Sequence[Sequence[tuple[str, Any]]], greedy: int, repeats: int,
+            log: Callable[[str], None]) -> list[dict[str, Any]]:
+        if self._pool is None:
+            out = []
+            for trace, plan in zip(traces, plans):
+                log(f"{trace.name} ({trace.meta.get('split')}): {trace.decisions} reads, budget {trace.budget_tokens}")
+                out.append(run_session(self.km, self.floor_model, trace, plan, greedy, repeats, log))
+            return out
+        jobs = [self._pool.apply_async(_run_in_worker, (trace, list(plan), greedy, repeats)) for trace, plan in
+                zip(traces, plans)]
+        out = []
+        for trace, job in zip(traces, jobs):
+            out.append(job.get())
+            log(f"{trace.name} ({trace.meta.get('split')}) done")
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(model: str, threads: int) -> None:
+    import torch
+
+    from agentwin import KameraModel
+    from agentwin.models.zoo import load_real
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    _WORKER["km"] = KameraModel.from_pretrained(model)
+    _WORKER["floor"] = load_real(model, torch.bfloat16)[0].eval()
+
+
+def _run_in_worker(trace: Trace, plan: list, greedy: int, repeats: int) -> dict[str, Any]:
+    return run_session(_WORKER["km"], _WORKER["floor"], trace, plan, greedy, repeats, lambda _: None)
+
+
+def run_benchmark(runner: Runner, sessions: Sequence[Trace], greedy: int = 16, repeats: int = 3,
                   quick: bool = False, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Validation then test (see the module docstring). `floor_model`: the same model loaded in
-    bfloat16 (loaded so, not cast: its RoPE frequencies stay float32, as in bfloat16 serving).
-    Layout: {"sessions": {name: ...}, "selection": {strategy: ...}, "per_kind": {kind: {strategy:
-    pooled}}, "frontier": {...}, and the top-level figures of the default pooled over the test
-    sessions}."""
+    """Validation then test (see the module docstring), sessions run by `runner` (its floor model:
+    the same model loaded in bfloat16, not cast, so its RoPE frequencies stay float32 as in
+    bfloat16 serving). Layout: {"sessions": {name: ...}, "selection": {strategy: ...},
+    "per_kind": {kind: {strategy: pooled}}, "frontier": {...}, and the top-level figures of the
+    default pooled over the test sessions}."""
     validation = [t for t in sessions if t.meta.get("split") == "validation"]
     test = [t for t in sessions if t.meta.get("split") == "test"]
     if not validation or not test:
         raise ValueError("the benchmark needs validation and test sessions (seeds of both splits)")
-    bf16 = floor_model.eval()
     strategies = [s for s in STRATEGIES if not quick or s in ("prefix", "default", "survive", "refresh", "blind",
                                                                 "origin-akin")]
     out: dict[str, Any] = {"sessions": {}, "selection": {}}
-    plan = [(s, setting) for s in strategies for setting in grid(s, quick)]
-    done_validation = []
-    for trace in validation:
-        log(f"{trace.name} (validation): {trace.decisions} reads, budget {trace.budget_tokens}")
-        entry = run_session(km, bf16, trace, plan, greedy, 1, log)
-        out["sessions"][trace.name] = entry
-        done_validation.append(entry)
-    chosen: dict[str, Any] = {}
-    for strategy in strategies:
-        settings = grid(strategy, quick)
-        if len(settings) > 1:
-            out["selection"][strategy] = choose(done_validation, strategy, settings)
-            c = out["selection"][strategy]["chosen"]
-            chosen[strategy] = tuple(c) if isinstance(c, list) else c
-        else:
-            chosen[strategy] = settings[0]
+    swept = [s for s in strategies if len(grid(s, quick)) > 1]
+    plan = [("prefix", None)] + [(s, setting) for s in swept for setting in grid(s, quick)]
+    done_validation = runner.run(validation, [plan] * len(validation), greedy, 1, log)
+    for entry in done_validation:
+        out["sessions"][entry["name"]] = entry
+    chosen: dict[str, Any] = {s: grid(s, quick)[0] for s in strategies}
+    for strategy in swept:
+        out["selection"][strategy] = choose(done_validation, strategy, grid(strategy, quick))
+        c = out["selection"][strategy]["chosen"]
+        chosen[strategy] = tuple(c) if isinstance(c, list) else c
     test_plan = [(s, chosen[s]) for s in strategies]
     names = {s: setting_name(s, chosen[s]) for s in strategies}
-    done_test = []
-    for trace in test:
-        log(f"{trace.name} (test): {trace.decisions} reads, budget {trace.budget_tokens}")
-        entry = run_session(km, bf16, trace, test_plan, greedy, repeats, log)
-        out["sessions"][trace.name] = entry
-        done_test.append(entry)
+    done_test = runner.run(test, [test_plan] * len(test), greedy, repeats, log)
+    for entry in done_test:
+        out["sessions"][entry["name"]] = entry
     kinds = sorted({s["kind"] for s in done_test})
     out["per_kind"] = {kind: {s: pooled([e for e in done_test if e["kind"] == kind], names[s]) for s in strategies}
                        for kind in kinds}

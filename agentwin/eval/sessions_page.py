@@ -49,8 +49,9 @@ def _method() -> list[str]:
         "kinds: `notes` (prose facts; recalls to the old slot), `doc` (handbook pages with a markdown table and a settings "
         "snippet; recalls at the end), `web` (site pages as text; recalls at the end), `video` (segment captions; recalls "
         "to the old slot) and `thread` (a crew's minutes whose entries name people by role and pronoun, introduced in an "
-        "earlier entry; recalls to the old slot). Seeds 0-1 are the validation split, where every setting of a swept "
-        "strategy runs and one is chosen (the fewest tokens among those meeting the contract, else the lowest KL); seeds "
+        "earlier entry; recalls to the old slot). Seeds 0-1 are the validation split, where prefix caching and every "
+        "setting of a swept strategy run and one is chosen (the fewest tokens among those meeting the contract, else the "
+        "lowest KL); seeds "
         "2-4 are the test split, where each strategy runs once at its chosen setting; the figures below are pooled over "
         "the test reads.", "",
         "Every strategy replays the same operations in one process on the same model and threads. At every read: the "
@@ -58,8 +59,9 @@ def _method() -> list[str]:
         "16 greedy tokens (greedy-16: the whole continuation identical). The noise floor is the same model loaded in "
         "bfloat16 (loaded so: its RoPE frequencies stay float32) re-prefilling the same tokens. Forwarded tokens count "
         "every token any forward computed: chunks (first passes and recomputes), encodes, conditioned passes, queries and "
-        "decoding. The lower bound is each distinct chunk token once plus every query and reply token. Wall times are the "
-        "min over back-to-back replays of each timed strategy on each session, summed over sessions.", "",
+        "decoding. The lower bound is each distinct chunk token once plus every query and reply token. Wall times (prefix "
+        "caching and the default) are the min over back-to-back replays on each session, summed over sessions; all the "
+        "strategies of one session run in one process.", "",
         "| strategy | what it does |", "| --- | --- |",
         *[f"| {s} | {WHAT[s]} |" for s in STRATEGIES], "",
     ]
@@ -68,7 +70,8 @@ def _method() -> list[str]:
 def _model_section(result: dict[str, Any]) -> list[str]:
     s = result["settings"]
     lines = [f"## {result['model']}", "",
-             f"Command: `{result['command']}`. Torch threads: {s['threads']}. Greedy tokens: {s['greedy']}. "
+             f"Command: `{result['command']}`. Torch threads: {s['threads']} in each of {s.get('jobs', 1)} worker "
+             f"process(es) running sessions side by side. Greedy tokens: {s['greedy']}. "
              f"Reads per session: {s['reads']}. Repeats of the timed strategies: {s['repeats']}. "
              f"Load average at start {result['loadavg_start']}, at end {result['loadavg_end']} (2-CPU machine). "
              f"Total {result['elapsed_s']:.0f} s. {result['test_reads']} test reads over "

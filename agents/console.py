@@ -151,7 +151,7 @@ def window_option_error(args: Any) -> str | None:
 
     rank = "exact" if args.rank is None else args.rank
     patch = getattr(args, "patch", "exact")
-    given = [flag for flag, set_ in (("--rank", args.rank != "budget"), ("--patch-bytes", getattr(args, "patch_bytes", None)
+    given = [flag for flag, set_ in (("--rank", args.rank not in ("budget", None)), ("--patch-bytes", getattr(args, "patch_bytes", None)
                                                                          is not None),
                                      ("--max-kl", getattr(args, "max_kl", None) is not None)) if set_]
     if patch not in PATCH_POLICIES and given:

@@ -562,7 +562,10 @@ class Window:
             if held is None and approx is None and exact and self._policy.placed:
                 # Another worker on this store may be computing this very placement: wait for it
                 # rather than compute it twice (what is owed before it is computed first).
-                if not self._claim(pl.key):
+                if self._claim(pl.key):
+                    if self._leases[-1].tier != "ram":  # shared: put by another worker just before our lease?
+                        held = self._placed(chunk, pl, exact)
+                else:
                     if waiting:
                         self._compute(waiting, layers, exact, order)
                         waiting = []
@@ -629,7 +632,7 @@ class Window:
                 return held
             if self._claim(pl.key) or time.monotonic() >= deadline:
                 self._stats.seconds["wait"] += time.perf_counter() - t0
-                return None
+                return self._placed(chunk, pl, True)  # stored as the holder released: no compute
             time.sleep(LEASE_POLL_S)
 
     @staticmethod
@@ -743,6 +746,7 @@ class Window:
             chunk.last = (pl.key, pl.start)
         chunk.held = Held(pl.key, pl.start, kv, exact)
         chunk.computed_at = self._stats.evictions
+        self._stats.computed_chunks += 1
         if chunk.canonical is None:
             chunk.summary = None  # from the newest KV when asked
         if first_pass:

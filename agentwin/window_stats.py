@@ -34,6 +34,8 @@ class WindowStats:
         another window or another process; no forward. matched_tokens: tokens whose KV a forward
         did not compute because the same tokens had been computed after the same prefix (the
         longest common token prefix with an earlier run, `agentwin.prefix.PrefixIndex`).
+    computed_chunks: chunks a pass computed at their placement (first passes, recomputes and
+        conditioned passes; a forward may compute several).
     waited: placements another worker on the same store was computing when this window needed
         them, served from its entry once it was stored (this window waited instead of computing).
     approximate: placements served by an approximation (a patch policy's canonical KV and
@@ -67,6 +69,7 @@ class WindowStats:
     matched_tokens: int = 0
     approximate: int = 0
     waited: int = 0
+    computed_chunks: int = 0
     patch_hits: int = 0
     patch_misses: int = 0
     canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)

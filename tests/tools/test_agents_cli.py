@@ -145,8 +145,11 @@ def test_argument_errors(argv, message, capsys):
 
 def test_patch_options_are_checked_before_a_model_is_loaded(tmp_path, capsys, no_model_load):
     pdf = write_text_pdf(tmp_path / "a.pdf", ["x"])
-    code = cli.main(["doc", str(pdf), "--question", "q", "--rank", "8", "--patch-bytes", "0.1", "--quiet"])
+    code = cli.main(["doc", str(pdf), "--question", "q", "--patch", "origin-akin", "--rank", "8", "--patch-bytes", "0.1",
+                     "--quiet"])
     assert code == 2 and "use it with --rank budget, not --rank 8" in capsys.readouterr().err
+    code = cli.main(["doc", str(pdf), "--question", "q", "--rank", "8", "--quiet"])  # the exact default fits no patch
+    assert code == 2 and "--rank set(s) the patches of a patch policy, and --patch exact" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["doc", str(pdf), "--question", "q", "--patch-bytes", "2", "--quiet"])
     assert "expected a fraction in (0, 1]" in capsys.readouterr().err
@@ -159,7 +162,8 @@ def test_a_fidelity_target_is_checked_and_reaches_the_window(tmp_path, capsys, n
     from agentwin.models.adapter import KameraModel
 
     pdf = write_text_pdf(tmp_path / "a.pdf", ["x"])
-    assert cli.main(["doc", str(pdf), "--question", "q", "--rank", "exact", "--max-kl", "0.002", "--quiet"]) == 2
+    assert cli.main(["doc", str(pdf), "--question", "q", "--patch", "origin", "--rank", "exact", "--max-kl", "0.002",
+                     "--quiet"]) == 2
     assert "--max-kl is a fidelity target for low-rank patches" in capsys.readouterr().err
     for bad in ("0", "-1", "inf", "nats"):
         with pytest.raises(SystemExit):

@@ -440,6 +440,11 @@ class Window:
     def _query_ids(self, query: str) -> torch.Tensor:
         if not isinstance(query, str):
             raise TypeError(f"the query must be a str, got {type(query).__name__}")
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"the query is not valid text ({err.reason} at character {err.start}); "
+                             "pass a str that encodes as UTF-8") from None
         ids = self.km.tokenize(query)
         if ids.numel() == 0:
             raise ValueError("the query tokenizes to no tokens")

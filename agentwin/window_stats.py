@@ -105,6 +105,32 @@ class WindowStats:
         self.guard_dropped += checked - kept
         self.guard_dropped_bytes += report.bytes_before - report.bytes_after
 
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in self.forward_tokens.items() if v)
+        return (f"WindowStats({self.forwarded_tokens} tokens forwarded in {self.passes} passes ({kinds or 'none'}); "
+                f"{self.exact_hits} placements from the store, {self.matched_tokens} rows reused, "
+                f"{self.approximate} approximate; {self.evictions} evictions, {self.recalls} recalls; "
+                f"vision tower {self.encoder_calls} runs, {self.encoder_hits} reused; "
+                f"{self.held_bytes / 2 ** 20:.1f} MiB held)")
+
+    def table(self) -> str:
+        """The counters as aligned lines, for people: what ran, what was reused, what moved."""
+        rows = [("forwarded tokens", f"{self.forwarded_tokens} in {self.passes} passes"),
+                *((f"  {k}", f"{v} tokens, {self.forwards[k]} forwards") for k, v in self.forward_tokens.items() if v),
+                ("placements from the store", f"{self.exact_hits} ({self.exact_hit_tokens} tokens)"),
+                ("rows reused after the same prefix", str(self.matched_tokens)),
+                ("approximate placements", f"{self.approximate} ({self.relocated_tokens} tokens relocated, "
+                                           f"{self.stale_patches} stale patches)"),
+                ("waited for another worker", str(self.waited)),
+                ("evictions / recalls", f"{self.evictions} / {self.recalls}"),
+                ("vision tower runs / reused", f"{self.encoder_calls} / {self.encoder_hits}"),
+                ("canonical KV from the store", f"{self.canonical_hits} chunks"),
+                ("patch bytes", f"{self.patch_bytes} for {self.patched_kv_bytes} bytes of KV"),
+                ("held by the window", f"{self.held_bytes / 2 ** 20:.1f} MiB"),
+                ("time in the window's calls", f"{self.wall_s:.2f} s")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
     def count(self, kind: str, tokens: int) -> None:
         """One forward of `tokens` tokens, of `kind` (one of FORWARD_KINDS)."""
         self.count_pass({kind: tokens})

@@ -96,7 +96,7 @@ def kl_to_reference(window: Any, query: str) -> float:
     return float((reference.exp() * (reference - reused)).sum())
 
 
-_COUNTERS = ("evictions", "recalls", "canonical_hits", "encoder_calls", "encoder_hits")
+_COUNTERS = ("evictions", "recalls", "canonical_hits", "exact_hits", "encoder_calls", "encoder_hits")
 
 
 def _counters(window: Any) -> tuple[dict[str, int], dict[str, int]]:
@@ -460,7 +460,7 @@ class AgentLoop:
         counts, tokens = _counters(self.window)
         delta = {k: v - self._mark[0].get(k, 0) for k, v in counts.items()}
         record.evicted_chunks, record.recalled_chunks = delta["evictions"], delta["recalls"]
-        record.store_hits = delta["canonical_hits"]
+        record.store_hits = delta["canonical_hits"] + delta["exact_hits"]
         record.encoder_runs, record.encoder_reused = delta["encoder_calls"], delta["encoder_hits"]
         record.forward_tokens = {k: v - self._mark[1].get(k, 0) for k, v in tokens.items()
                                  if v - self._mark[1].get(k, 0)}

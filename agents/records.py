@@ -36,7 +36,7 @@ class StepRecord:
     evicted_chunks: int = 0  # chunks that left the window during this step
     recalled_chunks: int = 0  # chunks brought back during this step
     recalled_tokens: int = 0  # their tokens
-    store_hits: int = 0  # chunks whose canonical KV was read from the store instead of encoded
+    store_hits: int = 0  # chunks whose KV was read from the store instead of computed (in-context or canonical)
     encoder_runs: int = 0  # vision-tower runs
     encoder_reused: int = 0  # vision-tower outputs read back instead of computed
     forward_tokens: dict[str, int] = field(default_factory=dict)  # tokens the window's forwards computed, by kind
@@ -64,7 +64,7 @@ class RunSummary:
     recalls: int  # chunks recalled, over all steps
     recall_steps: list[int]  # the steps that recalled
     content_hits: int  # observations seen before (recalled or still in view), not encoded again
-    store_hits: int  # chunks whose canonical KV came from the store (no encode)
+    store_hits: int  # chunks whose KV came from the store (no forward of them)
     encoder_calls: int  # vision-tower runs (images and frames)
     encoder_hits: int  # vision-tower outputs read back instead of computed
     recalled_tokens: int  # tokens of the chunks recalled
@@ -88,7 +88,7 @@ class RunSummary:
             ("evictions", f"{self.evictions} chunks" + (f" in {evict_steps}" if evict_steps else "")),
             ("recalls", f"{self.recalls} chunks ({self.recalled_tokens} tokens)"
              + (f" in {recall_steps}" if recall_steps else "")),
-            ("store hits", f"{self.store_hits} chunks read from the store instead of encoded"),
+            ("store hits", f"{self.store_hits} chunks read from the store instead of computed"),
             ("vision encoder", f"{self.encoder_calls} runs, {self.encoder_hits} outputs read back"),
             ("fitted", f"{self.fitted_observations} observations split or cut to fit the window"),
             ("forwarded tokens", f"{forwarded} (total {sum(self.forward_tokens.values())})"),

@@ -139,8 +139,7 @@ def run_demo(km: Any, args: Any, pdf_path: Path, make_window: Callable[[Any, Any
     recall_steps = [r.step for r in result.records if r.event == "recall"]
     kl_at_recalls = [reads.kls[step] for step in recall_steps if step < len(reads.kls)]
     answer_tokens = int(window.input_ids(query).numel()) + max(decoded - 1, 0)
-    answer_ids = window.input_ids(query)
-    reads.sequences.append(torch.cat([answer_ids, km.tokenize(reference)]) if reference else answer_ids)
+    reads.sequences.append(window.input_ids(query))  # the answer's read; its reply is decoded after it
     prefix = prefix_tokens(reads.sequences) + max(decoded - 1, 0)
     figures = {
         "question": QUESTION,

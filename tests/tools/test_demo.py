@@ -53,8 +53,10 @@ def test_agentwin_demo_navigates_recalls_exactly_and_reports(smollm2, tmp_path, 
     assert f["decision_points"] == len(f["kl_at_decisions"]) == len(data["steps"]) - 1
     assert not any(k in json.dumps(data) for k in ("avoided", "time_saved"))
     assert f"{a['forwarded_tokens']} tokens forwarded" in printed and f"{b['forwarded_tokens']} tokens forwarded" in printed
-    # Exact patches by default: every recall within 1e-4 nats of a re-prefill, same answer.
-    assert f["rank"] == "exact" and len(f["kl_at_recalls"]) == s["recalls"]
+    # The exact window by default, in SmolLM2's chat format: every recall within 1e-4 nats of a
+    # re-prefill, same answer; never more tokens than prefix caching counted on the same reads.
+    assert f["patch"] == "exact" and f["chat"] and len(f["kl_at_recalls"]) == s["recalls"]
+    assert a["forwarded_tokens"] <= f["prefix_caching_tokens"] and a["by_kind"].get("encode", 0) == 0
     assert all(abs(k) < 1e-4 for k in f["kl_at_recalls"])
     assert f["answer"] == s["answer"] == f["reference_answer"] and f["answer_matches_reprefill"]
     assert f["answer_correct"] == (demo.EXPECTED.lower() in f["answer"].lower())
@@ -80,7 +82,9 @@ def test_demo_refuses_window_options_that_contradict_each_other_before_loading(c
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(demo, "load_model", load)
-    assert cli.main(["demo", "--max-kl", "0.002"]) == 2  # the demo's patches are exact by default
+    assert cli.main(["demo", "--max-kl", "0.002"]) == 2  # the demo's window is exact by default: no patches
+    assert "--max-kl set(s) the patches of a patch policy, and --patch exact fits none" in capsys.readouterr().err
+    assert cli.main(["demo", "--patch", "origin", "--rank", "exact", "--max-kl", "0.002"]) == 2
     assert "--max-kl is a fidelity target for low-rank patches" in capsys.readouterr().err
-    assert cli.main(["demo", "--patch-bytes", "0.1"]) == 2
+    assert cli.main(["demo", "--patch", "origin", "--rank", "exact", "--patch-bytes", "0.1"]) == 2
     assert "use it with --rank budget, not --rank exact" in capsys.readouterr().err

@@ -23,7 +23,7 @@ else:
     question = "Who is the lighthouse keeper?"
 
 km = KameraModel.from_pretrained("smollm2")
-window = Window(km, budget_tokens=512, patch="origin")  # patches ≤ 6% of a chunk's KV bytes; rank=None: exact
+window = Window(km, budget_tokens=512)  # exact: a re-prefill's values; patch="origin-akin" for patches
 with PdfEnv(path) as env:  # render=True gives page images, for a vision-language model
     result = AgentLoop(env, window, WindowDecider(max_new_tokens=32), question, max_steps=8).run()
 for record in result.records:

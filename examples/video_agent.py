@@ -20,7 +20,7 @@ path, question = sys.argv[1], sys.argv[2]
 model = sys.argv[3] if len(sys.argv) == 4 else "tiny-qwen2.5-vl"
 
 km = KameraModel.from_pretrained(model)
-window = Window(km, budget_tokens=4096, patch="origin")
+window = Window(km, budget_tokens=4096)
 with VideoEnv(path, segment_seconds=4.0, fps=2.0) as env:
     result = AgentLoop(env, window, WindowDecider(max_new_tokens=32), question, max_steps=12, progress=True).run()
 print(result.summary.table())

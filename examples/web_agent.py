@@ -18,7 +18,7 @@ if len(sys.argv) != 3:
 url, task = sys.argv[1], sys.argv[2]
 
 km = KameraModel.from_pretrained("smollm2")
-window = Window(km, budget_tokens=2048, patch="origin")
+window = Window(km, budget_tokens=2048)
 env = BrowserEnv(url, allow_hosts=None, screenshot=getattr(km, "is_vlm", False))
 try:
     result = AgentLoop(env, window, WindowDecider(max_new_tokens=48), task, max_steps=10, progress=True).run()

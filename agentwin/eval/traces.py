@@ -37,6 +37,13 @@ class _Stats(WindowStats):
         return 0
 
 
+def _text_of(content: Any) -> str:
+    text = content if isinstance(content, str) else getattr(content, "text", None)
+    if not isinstance(text, str):
+        raise TypeError(f"the benchmark records text chunks only, got {type(content).__name__}")
+    return text
+
+
 class RecordingWindow:
     """What `AgentLoop` needs of a window (chunks, tokens, append, evict, recall, key_summary,
     stats, km, budget_tokens), keeping `agentwin.Window`'s order and FIFO budget rule, recording
@@ -49,6 +56,7 @@ class RecordingWindow:
         self._tokens: dict[int, int] = {}
         self._order: list[int] = []
         self._slot: dict[int, int] = {}
+        self._pinned: set[int] = set()
         self._stats = _Stats()
 
     def chunks(self) -> list[int]:
@@ -62,28 +70,47 @@ class RecordingWindow:
         for cid in self._order:
             if excess <= 0:
                 break
+            if cid in self._pinned:
+                continue
             victims.append(cid)
             excess -= self._tokens[cid]
         return victims
 
     def append(self, content: Any, pin: bool = False) -> int:
-        text = content if isinstance(content, str) else getattr(content, "text", None)
-        if not isinstance(text, str):
-            raise TypeError(f"the benchmark records text chunks only, got {type(content).__name__}")
+        text = _text_of(content)
         n = int(self.km.tokenize(text).numel())
         if n == 0 or n > self.budget_tokens:
             raise ValueError(f"chunk of {n} tokens does not fit budget_tokens={self.budget_tokens}")
+        if pin and (self._order or self.texts):
+            raise ValueError("the recorded traces pin only their first chunk (the chat head), as the replays do")
         for victim in self._plan(n):
             self.evict(victim)
         cid = len(self.texts)
         self.texts[cid], self._tokens[cid] = text, n
         self._order.append(cid)
+        if pin:
+            self._pinned.add(cid)
         self.ops.append({"op": "append", "chunk": cid})
         return cid
+
+    def find(self, content: Any) -> int | None:
+        """The chunk holding this text, in the window first, else the latest evicted one."""
+        text = _text_of(content)
+        found = [c for c in self._order if self.texts[c] == text]
+        gone = [c for c in sorted(self.texts, reverse=True) if self.texts[c] == text]
+        return (found or gone or [None])[0]
+
+    def pin(self, cid: int) -> None:
+        if cid not in self._order:
+            raise ValueError(f"chunk {cid} is not in the window")
+        if cid not in self._pinned:
+            raise ValueError("the recorded traces pin only their first chunk (the chat head), as the replays do")
 
     def evict(self, cid: int) -> None:
         if cid not in self._order:
             raise ValueError(f"chunk {cid} is not in the window")
+        if cid in self._pinned:
+            raise ValueError(f"chunk {cid} is pinned")
         self._slot[cid] = self._order.index(cid)
         self._order.remove(cid)
         self._stats.evictions += 1
@@ -157,7 +184,10 @@ def _run(name: str, env: Any, km: Any, budget: int, task: str, plan: Sequence[An
     window = RecordingWindow(km, budget)
     decider = PlanDecider(plan, set(env.actions()) | set(LOOP_ACTIONS))
     options = {"measure_prefill": False} if "measure_prefill" in inspect.signature(AgentLoop).parameters else {}
-    result = AgentLoop(env, window, decider, task, max_steps=len(plan), **options).run()
+    # The traces are raw text, as the committed trace page was measured: no chat head.
+    result = AgentLoop(env, window, decider, task, max_steps=len(plan), chat=False, **options).run()
+    if result.summary.stopped.startswith("error"):
+        raise RuntimeError(f"trace {name}: the scripted run stopped with {result.summary.stopped!r}")
     if plan and isinstance(plan[-1], dict) and plan[-1].get("action") == "answer" and result.summary.stopped != "answer":
         raise RuntimeError(f"trace {name}: the scripted run stopped with {result.summary.stopped!r}")
     events = [r.event for r in result.records]

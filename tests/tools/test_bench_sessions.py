@@ -64,7 +64,11 @@ def test_quick_run_writes_every_figure_and_the_default_is_exact_and_never_above_
         assert key in r
     assert r["contract"]["faithful"] and r["contract"]["never_more_than_prefix"]
     assert r["default_kl_over_floor"] < 0.01  # exact: far below the bfloat16 floor
-    for name, entry in r["sessions"].items():
+    test = {name: entry for name, entry in r["sessions"].items() if entry["split"] == "test"}
+    assert test and len(test) < len(r["sessions"])
+    for name, entry in r["sessions"].items():  # validation runs prefix caching and the swept settings only
+        assert ("default" in entry["strategies"]) == (name in test), name
+    for name, entry in test.items():
         st = entry["strategies"]
         assert st["default"]["forwarded_tokens"] <= st["prefix"]["forwarded_tokens"], name
         assert entry["lower_bound_tokens"] <= st["default"]["forwarded_tokens"]

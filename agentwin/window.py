@@ -348,13 +348,19 @@ class Window:
         return self.read(query, max_new_tokens, logits_processor, stop).token_ids
 
     @timed
-    def read(self, query: str, max_new_tokens: int = 0, logits_processor=None, stop=None) -> "Reading":
+    def read(self, query: str, max_new_tokens: int = 0, logits_processor=None, stop=None,
+             continuation: Sequence[int] | None = None) -> "Reading":
         """One read of the window after `query`: the next-token log-probabilities (`[vocab]`
         float32, as `next_token_logprobs`) and up to `max_new_tokens` greedy token ids (as
-        `generate_ids`, with its `logits_processor` and `stop`), in one pass over the query."""
+        `generate_ids`, with its `logits_processor` and `stop`), in one pass over the query.
+        continuation: token ids read after the query in that same pass (scoring a given reply,
+        teacher forcing); the Reading's `continuation_logprobs` `[len, vocab]` holds the
+        log-probabilities of the token after each of them. Not with `max_new_tokens`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self._query_ids(query)
+        if continuation is not None:
+            return self._read_continuation(ids, continuation, max_new_tokens)
         cache, logits, tail = self._read(list(self._order), ids)
         logprobs = torch.log_softmax(logits, -1)
         seen, out = ids, []
@@ -382,6 +388,22 @@ class Window:
             scores = result.logits[:, -1].float()
         self._keep_tail(tail, seen, cache)
         return Reading(logprobs, out, ended)
+
+    def _read_continuation(self, ids: torch.Tensor, continuation: Sequence[int], max_new_tokens: int) -> "Reading":
+        if max_new_tokens:
+            raise ValueError("read() scores a continuation or decodes new tokens, not both: pass max_new_tokens=0")
+        vocab = int(self.km.model.get_input_embeddings().num_embeddings)
+        try:
+            extra = [int(t) for t in continuation]
+        except (TypeError, ValueError):
+            raise TypeError("continuation must be a sequence of token ids (ints)") from None
+        if any(t < 0 or t >= vocab for t in extra) or any(isinstance(t, bool) for t in continuation):
+            raise ValueError(f"continuation token ids must be ints in [0, {vocab})")
+        seen = torch.cat([ids, torch.tensor(extra, dtype=torch.long)])
+        cache, logits, tail = self._read(list(self._order), seen, rows=len(extra) + 1)
+        logprobs = torch.log_softmax(logits, -1)
+        self._keep_tail(tail, seen, cache)
+        return Reading(logprobs[0], [], None, logprobs[1:])
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
         """`[layers, width]` float32: the chunk's keys in its chunk-local frame averaged over its
@@ -538,10 +560,11 @@ class Window:
 
     # ---- internals: reads ---------------------------------------------------------------------
 
-    def _read(self, order: list[ChunkId], tail: torch.Tensor | None = None, count: bool = True) -> tuple:
+    def _read(self, order: list[ChunkId], tail: torch.Tensor | None = None, count: bool = True, rows: int = 1) -> tuple:
         """Segments for every chunk of `order`, computing the missing ones, then (with `tail`, the
         query's ids) the query in the same cache. Returns (SegmentCache, last-row logits `[vocab]`
-        float32 or None, a `_Run` of the tail's forward or None). count=False: approximate and
+        float32 or None; `[rows, vocab]`, the tail's last rows, when rows > 1; a `_Run` of the
+        tail's forward or None). count=False: approximate and
         stale placements are not counted (an eager append's pass is not a read)."""
         t0 = time.perf_counter()
         placements = self._placements(order)
@@ -549,14 +572,14 @@ class Window:
         exact, waiting = True, []  # waiting: (chunk, placement) to compute, right after `layers`
         self._changed_at = None  # token index of the first chunk not served as computed for its place
         try:
-            return self._read_order(order, placements, layers, tail, count, t0)
+            return self._read_order(order, placements, layers, tail, count, t0, rows)
         finally:
             for lease in self._leases:
                 self.store.release(lease)
             self._leases = []
 
     def _read_order(self, order: list[ChunkId], placements: list[Placement], layers: Layers,
-                    tail: torch.Tensor | None, count: bool, t0: float) -> tuple:
+                    tail: torch.Tensor | None, count: bool, t0: float, rows: int = 1) -> tuple:
         exact, waiting = True, []
         for cid, pl in zip(order, placements):
             chunk = self._chunks[cid]
@@ -607,9 +630,9 @@ class Window:
         prefix = placements[-1].key if placements else self._root
         if waiting:
             run = self._forward_run(waiting, layers, exact, tail, waiting[0][1].prefix, waiting[0][1].first,
-                                    waiting[0][1].start)
+                                    waiting[0][1].start, rows)
         else:
-            run = self._forward_run(waiting, layers, exact, tail, prefix, first, self._span(order))
+            run = self._forward_run(waiting, layers, exact, tail, prefix, first, self._span(order), rows)
         self._settle(waiting, run, order)
         run.prefix = prefix
         return run.cache, run.logits, run
@@ -686,18 +709,18 @@ class Window:
         self._add(layers, chunk.held.kv, pl.first)
 
     def _forward_run(self, waiting: list, layers: Layers, exact: bool, tail: torch.Tensor | None,
-                     prefix: ChunkKey, first: int, start: int) -> "_Run":
+                     prefix: ChunkKey, first: int, start: int, rows: int = 1) -> "_Run":
         """One forward of the waiting text chunks' ids (then the tail's) after `layers`, placed at
         token index `first` and position `start` right after the prefix `prefix`. Rows computed before after the same
         prefix are reused instead (only when every chunk before is exact KV); a read computes its
-        last row at least, for the logits."""
+        last `rows` rows at least, for their logits."""
         t0 = time.perf_counter()
         parts = [c.ids for c, _ in waiting] + ([tail] if tail is not None else [])
         ids = torch.cat(parts)
         chunk_rows = sum(int(c.ids.numel()) for c, _ in waiting)
         pieces = self._index.match(prefix, ids, self._io.load_run) if exact and self._policy.placed else []
         matched = sum(p.num_tokens for p in pieces)
-        keep = int(ids.numel()) - (1 if tail is not None else 0)
+        keep = int(ids.numel()) - (rows if tail is not None else 0)
         while matched > keep:
             last = pieces.pop()
             cut = min(last.num_tokens, matched - keep)
@@ -712,9 +735,9 @@ class Window:
         cache = self.km.cache(served, first + matched)
         logits = None
         if matched < ids.numel():
-            out = self.km.forward(TextChunk(ids[matched:]), start + matched, cache, logits_to_keep=1)
+            out = self.km.forward(TextChunk(ids[matched:]), start + matched, cache, logits_to_keep=rows)
             if tail is not None:
-                logits = out.logits[0, -1].float()
+                logits = out.logits[0, -1].float() if rows == 1 else out.logits[0, -rows:].float()
             kinds: dict[str, int] = {}
             offset = 0
             for chunk, _ in waiting:
@@ -723,8 +746,10 @@ class Window:
                 if fresh > 0:
                     kinds[self._kind(chunk)] = kinds.get(self._kind(chunk), 0) + fresh
                 offset += n
-            if tail is not None:
-                kinds["query"] = int(ids.numel()) - max(chunk_rows, matched)
+            if tail is not None:  # a read's tail: the query, then any continuation scored after it (rows - 1)
+                kinds["query"] = int(ids.numel()) - max(chunk_rows, matched) - (rows - 1)
+                if rows > 1:
+                    kinds["decode"] = rows - 1
             self._stats.count_pass(kinds)
         self._stats.matched_tokens += matched
         self._stats.seconds["pass"] += time.perf_counter() - t0
@@ -770,11 +795,13 @@ class Window:
 class Reading:
     """What one read gave: `logprobs` `[vocab]` float32 of the token after the query, and the
     greedy token ids decoded after it (`token_ids`; an end-of-sequence token ends them and is not
-    included: `end_token` is that token, None when decoding stopped otherwise)."""
+    included: `end_token` is that token, None when decoding stopped otherwise); a read of a given
+    continuation has `continuation_logprobs` `[len, vocab]` instead (the token after each)."""
 
     logprobs: torch.Tensor
     token_ids: list[int]
     end_token: int | None = None
+    continuation_logprobs: torch.Tensor | None = None
 
 
 class _Run:

@@ -34,13 +34,15 @@ def render_page(results: Sequence[dict[str, Any]]) -> str:
     lines = ["# Chat sessions: work and fidelity of every context strategy", "",
              "Written by " + " and ".join(f"`{c}`" for c in commands) +
              " (each writes its model's JSON and this page from the JSON files of both; do not edit by hand).", ""]
-    lines += _method()
+    seeds = {split: sorted({int(e["seed"]) for r in results for e in r["sessions"].values() if e["split"] == split})
+             for split in ("validation", "test")}
+    lines += _method(*(", ".join(map(str, seeds[split])) for split in ("validation", "test")))
     for result in results:
         lines += _model_section(result)
     return "\n".join(lines) + "\n"
 
 
-def _method() -> list[str]:
+def _method(val: str, test: str) -> list[str]:
     return [
         "## How it was measured", "",
         "Sessions are generated from seeds (`agentwin.eval.sessions`), chat-formatted with the model's own template "
@@ -49,14 +51,17 @@ def _method() -> list[str]:
         "kinds: `notes` (prose facts; recalls to the old slot), `doc` (handbook pages with a markdown table and a settings "
         "snippet; recalls at the end), `web` (site pages as text; recalls at the end), `video` (segment captions; recalls "
         "to the old slot) and `thread` (a crew's minutes whose entries name people by role and pronoun, introduced in an "
-        "earlier entry; recalls to the old slot). Seeds 0-1 are the validation split, where prefix caching and every "
+        f"earlier entry; recalls to the old slot). Seeds {val} are the validation split, where prefix caching and every "
         "setting of a swept strategy run and one is chosen (the fewest tokens among those meeting the contract, else the "
-        "lowest KL); seeds "
-        "2-4 are the test split, where each strategy runs once at its chosen setting; the figures below are pooled over "
-        "the test reads.", "",
+        f"lowest KL); seeds {test} are the test split, where each strategy runs once at its chosen setting; the figures "
+        "below are pooled over the test reads.", "",
         "Every strategy replays the same operations in one process on the same model and threads. At every read: the "
         "next-token distribution after the question (KL against the float32 re-prefill of the same tokens, in nats) and "
-        "16 greedy tokens (greedy-16: the whole continuation identical). The noise floor is the same model loaded in "
+        "16 greedy tokens (greedy-16: the whole continuation identical). The reference decodes its 16 tokens step by "
+        "step; every other run reads the reference's reply in one teacher-forced pass after the question and takes its "
+        "own argmax at each position, which is its own greedy decoding up to its first different token (float rounding "
+        "of the wider pass aside), so greedy-16 agreement is measured exactly at a sixteenth of the forwards; those reply "
+        "tokens are counted as decoding. The noise floor is the same model loaded in "
         "bfloat16 (loaded so: its RoPE frequencies stay float32) re-prefilling the same tokens. Forwarded tokens count "
         "every token any forward computed: chunks (first passes and recomputes), encodes, conditioned passes, queries and "
         "decoding. The lower bound is each distinct chunk token once plus every query and reply token. Wall times (prefix "

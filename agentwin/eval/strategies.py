@@ -58,6 +58,22 @@ def eos_ids(model: Any) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
 
 
+def forced_tokens(first_logits: torch.Tensor, later_logits: torch.Tensor | None, forced: Sequence[int],
+                  eos: set[int]) -> list[int]:
+    """The greedy tokens read off one teacher-forced pass: `first_logits` predicts the token after
+    the query, `later_logits[i]` the token after `forced[i]` (the pass fed `forced[:-1]`). The
+    result is the greedy decode of the same model and cache up to and including its first token
+    that departs from `forced` (float rounding of the wider pass aside), so it equals `forced`
+    exactly when step-by-step greedy decoding would reproduce `forced`."""
+    rows = [first_logits] + ([] if later_logits is None else list(later_logits))
+    out: list[int] = []
+    for index, row in enumerate(rows[:len(forced)]):
+        out.append(int(row.argmax()))
+        if out[-1] != int(forced[index]) or out[-1] in eos:
+            break
+    return out
+
+
 def greedy_tokens(first_logits: torch.Tensor, greedy: int, eos: set[int], step: Callable[[int], torch.Tensor]) -> list[int]:
     """Greedy continuation: the argmax of `first_logits`, then `step(token)` -> next logits until
     `greedy` tokens or an end-of-sequence token."""
@@ -83,6 +99,7 @@ class Strategy:
         self.forwards: Counter = Counter()
         self.forward_tokens: Counter = Counter()
         self.eos = eos_ids(km.model)
+        self._forced: list[int] | None = None
 
     # ---- operations -----------------------------------------------------------------------
 
@@ -111,13 +128,20 @@ class Strategy:
         self._recall(cid, at)
         self.order.insert(at, cid)
 
-    def decide(self, query: str, greedy: int) -> Reading:
-        """The window read after `query`: next-token log-probabilities and `greedy` greedy tokens."""
+    def decide(self, query: str, greedy: int, forced: Sequence[int] | None = None) -> Reading:
+        """The window read after `query`: next-token log-probabilities and `greedy` greedy tokens.
+        forced: another run's greedy reply, fed in one pass after the query (teacher forcing)
+        instead of decoding step by step; the tokens are then those of `forced_tokens` (the
+        same forwarded tokens, fewer forwards)."""
         ids = self.km.tokenize(query)
         if ids.numel() == 0:
             raise ValueError("the query tokenizes to no tokens")
-        with torch.no_grad():
-            return self._decide(ids, greedy)
+        self._forced = None if forced is None else [int(t) for t in forced][:max(1, greedy)]
+        try:
+            with torch.no_grad():
+                return self._decide(ids, greedy)
+        finally:
+            self._forced = None
 
     def _decide(self, query: torch.Tensor, greedy: int) -> Reading:
         raise NotImplementedError
@@ -152,23 +176,35 @@ class Strategy:
         self.forward_tokens[kind] += int(tokens)
 
     def _segment_decide(self, segments: Sequence[Sequence[Segment]], first: int, query: torch.Tensor, greedy: int,
-                        kind: str = "query") -> tuple[Reading, Any]:
+                        kind: str = "query") -> tuple[Reading, Any, list[int]]:
         """The query read after `segments` (a contiguous prefix of `first` tokens, positions =
-        token indices), then greedy decoding in the same cache. Returns the reading and the cache
-        (its tail holds the query's and the decoded tokens' KV)."""
+        token indices), then greedy decoding in the same cache (or the forced reply in the same
+        pass). Returns the reading, the cache (its tail holds the query's and the fed tokens' KV)
+        and the reply tokens fed through the model."""
         cache = self.km.cache(segments, first)
+        if self._forced:
+            fed = self._forced[:-1]
+            ids = torch.cat([query, torch.tensor(fed, dtype=torch.long)])
+            logits = self.km.forward(ids, first, cache, logits_to_keep=len(fed) + 1).logits[0].float()
+            self._count(kind, query.numel())
+            if fed:
+                self.forward_tokens["decode"] += len(fed)
+            return (Reading(torch.log_softmax(logits[0], -1), forced_tokens(logits[0], logits[1:], self._forced, self.eos)),
+                    cache, fed)
         logits = self.km.forward(query, first, cache, logits_to_keep=1).logits[0, -1].float()
         self._count(kind, query.numel())
         position = first + int(query.numel())
+        fed: list[int] = []
 
         def step(token: int) -> torch.Tensor:
             nonlocal position
             out = self.km.forward(torch.tensor([token]), position, cache, logits_to_keep=1).logits[0, -1]
             self._count("decode", 1)
+            fed.append(token)
             position += 1
             return out
 
-        return Reading(torch.log_softmax(logits, -1), greedy_tokens(logits, greedy, self.eos, step)), cache
+        return Reading(torch.log_softmax(logits, -1), greedy_tokens(logits, greedy, self.eos, step)), cache, fed
 
 
 class Reprefill(Strategy):
@@ -185,6 +221,15 @@ class Reprefill(Strategy):
 
     def _decide(self, query: torch.Tensor, greedy: int) -> Reading:
         ids = torch.cat([self.window_ids(), query])
+        if self._forced:
+            fed = self._forced[:-1]
+            out = self.model(input_ids=torch.cat([ids, torch.tensor(fed, dtype=torch.long)])[None],
+                             logits_to_keep=len(fed) + 1)
+            self._count("prefill", ids.numel())
+            if fed:
+                self.forward_tokens["decode"] += len(fed)
+            logits = out.logits[0].float()
+            return Reading(torch.log_softmax(logits[0], -1), forced_tokens(logits[0], logits[1:], self._forced, self.eos))
         out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
         self._count("prefill", ids.numel())
         cache = out.past_key_values
@@ -312,12 +357,10 @@ class PrefixCache(Strategy):
                 layer.append(Segment(k[:n], v[:n], first, 0))
             first += n
         self.reused_tokens += used
-        reading, cache = self._segment_decide(segments, used, seq[used:], greedy, kind="prefill")
+        reading, cache, fed = self._segment_decide(segments, used, seq[used:], greedy, kind="prefill")
         skip = held - used  # the last token was held already: its new KV is not stored again
-        if self.replies:  # the decoded tokens that went through the model (the last chosen one did not)
-            decoded = reading.tokens[:-1] if reading.tokens and (len(reading.tokens) == greedy or
-                                                               reading.tokens[-1] in self.eos) else reading.tokens
-            seq = torch.cat([seq, torch.tensor(decoded, dtype=torch.long)])
+        if self.replies:  # the reply tokens that went through the model (the last chosen one did not)
+            seq = torch.cat([seq, torch.tensor(fed, dtype=torch.long)])
         computed = int(seq.numel()) - used
         self.tree.insert(seq, path, [(k[skip:computed].clone(), v[skip:computed].clone()) for k, v in cache.tail_kv()])
         return reading
@@ -405,7 +448,7 @@ class Streaming(Strategy):
 
     def _decide(self, query: torch.Tensor, greedy: int) -> Reading:
         segments, first = self._segments()
-        reading, _ = self._segment_decide(segments, first, query, greedy)
+        reading, _, _ = self._segment_decide(segments, first, query, greedy)
         return reading
 
     def info(self) -> dict[str, Any]:
@@ -451,8 +494,13 @@ class WindowStrategy(Strategy):
     def _recall(self, cid: int, at: int) -> None:
         self.window.recall(self._id[cid], at=at)
 
-    def decide(self, query: str, greedy: int) -> Reading:
+    def decide(self, query: str, greedy: int, forced: Sequence[int] | None = None) -> Reading:
         with torch.no_grad():
+            if forced:
+                forced = [int(t) for t in forced][:max(1, greedy)]
+                read = self.window.read(query, continuation=forced[:-1])
+                later = read.continuation_logprobs if len(forced) > 1 else None
+                return Reading(read.logprobs, forced_tokens(read.logprobs, later, forced, self.eos))
             read = self.window.read(query, max_new_tokens=greedy)
         tokens = list(read.token_ids)
         if read.end_token is not None:  # the others' readings end with the end-of-sequence token
@@ -528,7 +576,7 @@ class AgentwinStrategy(Strategy):
         stale = self.window.stats().stale_patches
         segments = self.window.segments()
         self.stale.append(self.window.stats().stale_patches - stale)
-        reading, _ = self._segment_decide(segments, self.window.tokens(), query, greedy)
+        reading, _, _ = self._segment_decide(segments, self.window.tokens(), query, greedy)
         return reading
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:

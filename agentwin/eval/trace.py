@@ -123,9 +123,12 @@ class Run:
     info: dict[str, Any]
 
 
-def replay(trace: Trace, strategy: Strategy, greedy: int = 16) -> Run:
+def replay(trace: Trace, strategy: Strategy, greedy: int = 16, forced: Sequence[Sequence[int]] | None = None) -> Run:
     """Run every operation of `trace` on a fresh `strategy`; the window it holds is checked
-    against the trace's after every operation."""
+    against the trace's after every operation. forced: one reply per decision (the reference's
+    greedy tokens), read by teacher forcing instead of decoding (`Strategy.decide`)."""
+    if forced is not None and len(forced) != trace.decisions:
+        raise ValueError(f"forced holds {len(forced)} replies for {trace.decisions} decisions")
     if strategy.order or strategy.ids:
         raise ValueError(f"{strategy.name}: replay needs a fresh strategy")
     readings: list[Reading] = []
@@ -143,7 +146,7 @@ def replay(trace: Trace, strategy: Strategy, greedy: int = 16) -> Run:
             strategy.recall(op["chunk"], int(op["at"]))
             order.insert(int(op["at"]), op["chunk"])
         else:
-            readings.append(strategy.decide(op["query"], greedy))
+            readings.append(strategy.decide(op["query"], greedy, None if forced is None else forced[len(readings)]))
         if strategy.order != order:
             raise RuntimeError(f"{strategy.name} holds {strategy.order} where the trace holds {order}")
     wall = time.perf_counter() - t0
@@ -232,7 +235,8 @@ def peak_rss_mb() -> float:
 
 
 def measure(trace: Trace, make: Callable[[], Strategy], repeats: int, greedy: int,
-            log: Callable[[str], None] = lambda _: None) -> tuple[Run, dict[str, Any]]:
+            log: Callable[[str], None] = lambda _: None,
+            forced: Sequence[Sequence[int]] | None = None) -> tuple[Run, dict[str, Any]]:
     """`repeats` replays of `trace` on fresh strategies from `make()`; the first run's readings
     and counts (every run computes the same), wall time min and median, the process's CPU time
     (median), peak RSS of the runs and its growth over the resident size at their start."""
@@ -244,7 +248,7 @@ def measure(trace: Trace, make: Callable[[], Strategy], repeats: int, greedy: in
             gc.collect()
             strategy = make()
             cpu = time.process_time()
-            run = replay(trace, strategy, greedy)
+            run = replay(trace, strategy, greedy, forced)
             cpus.append(time.process_time() - cpu)
             walls.append(run.wall_s)
             if index == 0:

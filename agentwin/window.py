@@ -401,7 +401,7 @@ class Window:
             raise ValueError(f"continuation token ids must be ints in [0, {vocab})")
         seen = torch.cat([ids, torch.tensor(extra, dtype=torch.long)])
         cache, logits, tail = self._read(list(self._order), seen, rows=len(extra) + 1)
-        logprobs = torch.log_softmax(logits, -1)
+        logprobs = torch.log_softmax(logits.reshape(len(extra) + 1, -1), -1)
         self._keep_tail(tail, seen, cache)
         return Reading(logprobs[0], [], None, logprobs[1:])
 

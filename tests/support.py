@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Iterator
@@ -27,15 +28,59 @@ from kamera_core import kv_layout
 REL_TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
+def tolerance(dtype: torch.dtype, magnitude: float, growth: float = 1.0) -> float:
+    """The largest difference rounding alone explains between two computations of one quantity in
+    `dtype`: eps(dtype) · magnitude · growth, eps being `torch.finfo(dtype).eps`.
+
+    Why not a constant: another CPU's kernels (AVX-512, AVX2, plain) block and order float32
+    reductions differently, so two computations that agree to rounding differ by amounts that
+    move from machine to machine; a bound read off one machine's run fails on the next, a bound
+    from the dtype's spacing holds on each.
+
+    magnitude: the size of the values compared or of the intermediates they are rounded from,
+        which can be the larger (a log-probability is rounded at |log p|, not at the gap between
+        two of them; a relocated key at |k|).
+    growth: how many roundings may add up, stated at the call site: √n for a sum or dot product
+        of n terms rounded independently, n where they can all lean one way, the number of layers
+        a forward's error passes through, the position where a rotation angle is rounded
+        (position · inv_freq carries eps · position rad).
+
+    A KL divergence between two distributions whose log-probabilities agree within δ is second
+    order in δ (KL ≈ ½·Σ p·δ² ≤ ½·δ²) when it is computed from normalised distributions (the
+    log-softmax of the logits taken in float64, as `kamera_core.metrics.kl_divergence` does with
+    logits): its tolerance is ½·tolerance(...)² of the log-probabilities. Summed from
+    log-probabilities each rounded by itself (float32 log-probabilities, or a float32 loss), the
+    rounding breaks the normalisation and leaves a first-order term of either sign, up to
+    eps · max|log p| per rounding: that is its tolerance then, and the KL may read negative.
+    """
+    return torch.finfo(dtype).eps * float(magnitude) * float(growth)
+
+
+def forward_growth(config: Any) -> float:
+    """`tolerance`'s growth for the logits or log-probabilities of two float32 forwards of one model
+    over the same tokens that round differently (other kernels, the KV split into cached parts,
+    read back from a store, relocated): √(hidden_size · num_layers). Each layer's projections
+    reduce over hidden_size terms, whose independent roundings add as a random walk (√hidden_size
+    of the terms' scale), and each layer adds its error to the stream the next one reads
+    (√num_layers); the log-softmax's own rounding is eps · |log p|, the magnitude to pass."""
+    text = getattr(config, "text_config", None) or config
+    return math.sqrt(text.hidden_size * text.num_hidden_layers)
+
+
 def max_err(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     """(max abs error, mean abs error) computed in float64."""
     diff = (actual.double() - expected.double()).abs()
     return float(diff.max()), float(diff.mean())
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:
-    """Fails with the max and mean error when any element differs by more than `atol`."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | None = None, what: str = "",
+                 growth: float = 1.0) -> None:
+    """Fails with the max and mean error when any element differs by more than `atol`; by default
+    `tolerance` of the coarser dtype of the two, max|expected| and `growth`."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if atol is None:
+        coarser = max(actual.dtype, expected.dtype, key=lambda d: torch.finfo(d).eps)
+        atol = tolerance(coarser, float(expected.abs().max()), growth)
     worst, mean = max_err(actual, expected)
     assert worst <= atol, f"{what}: max abs err {worst:.3e} (mean {mean:.3e}) > tol {atol:.3e}"
 

@@ -20,12 +20,12 @@ import torch
 
 from agentwin import KameraModel, Text, Window
 from agentwin.store import ChunkStore
+from tests.support import assert_close, forward_growth
 
 TEXTS = ["the harbour master keeps the tide log", "she wrote the storm surge in it",
          "the keeper climbed the tower at dawn", "he replaced the cracked diaphragm",
          "the ferry left two hours late", "nobody asked why"]
 QUERY = "who climbed the tower?"
-TOL = 1e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,8 +60,15 @@ def _oracle(km: KameraModel, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(km.model(input_ids=ids[None]).logits[0, -1].float(), -1)
 
 
-def _gap(win: Window, query: str = QUERY) -> float:
-    return float((win.next_token_logprobs(query) - _oracle(win.km, win.input_ids(query))).abs().max())
+def _same(km: KameraModel, mine: torch.Tensor, reference: torch.Tensor) -> None:
+    """`mine` equals `reference` to float32 rounding through the model's forward: eps · max|log p| ·
+    √(hidden_size · num_layers) (`tests.support.forward_growth`)."""
+    assert_close(mine, reference, what="next-token log-probabilities", growth=forward_growth(km.model.config))
+
+
+def _exact(win: Window, query: str = QUERY) -> None:
+    """The window's read equals the model's own forward of the same tokens."""
+    _same(win.km, win.next_token_logprobs(query), _oracle(win.km, win.input_ids(query)))
 
 
 def test_a_read_runs_one_forward_for_the_waiting_chunks_and_its_query():
@@ -82,8 +89,8 @@ def test_a_read_runs_one_forward_for_the_waiting_chunks_and_its_query():
         other = "is anything late?"  # shares no first token with QUERY (a shared prefix would be reused)
         win.next_token_logprobs(other)  # nothing owed: the query alone
         assert len(hook.calls[2][0]) == len(km.tokenize(other))
-    assert float((mine - _oracle(km, torch.cat([km.tokenize(t) for t in TEXTS[:3]] + [km.tokenize(QUERY)]))).abs().max()) <= TOL
-    assert _gap(win) <= TOL
+    _same(km, mine, _oracle(km, torch.cat([km.tokenize(t) for t in TEXTS[:3]] + [km.tokenize(QUERY)])))
+    _exact(win)
     assert win.stats().forwards.get("encode", 0) == 0 and win.stats().patch_bytes == 0
 
 
@@ -97,7 +104,7 @@ def test_a_slide_recomputes_the_survivors_and_a_recall_to_the_old_slot_nothing()
     with Hook(km) as hook:
         win.append(TEXTS[3])  # over budget: the oldest unpinned chunk (TEXTS[1]) leaves
         assert win.chunks() == [head, ids[2], 3] and hook.calls == []
-        assert _gap(win) <= TOL
+        _exact(win)
         # TEXTS[2] recomputed after the head (position n[0]), TEXTS[3] computed, then the query;
         # the reference re-prefill is not hooked here: it runs the model too, so count before it.
     first = hook.calls[0]
@@ -109,7 +116,7 @@ def test_a_slide_recomputes_the_survivors_and_a_recall_to_the_old_slot_nothing()
     with Hook(km) as hook:
         win.next_token_logprobs(QUERY)
     assert len(hook.calls) == 1 and len(hook.calls[0][0]) == 1  # the same read again: its last row only
-    assert _gap(win) <= TOL
+    _exact(win)
 
 
 def test_rows_computed_after_the_same_prefix_are_reused_token_by_token():
@@ -127,7 +134,7 @@ def test_rows_computed_after_the_same_prefix_are_reused_token_by_token():
     new = len(km.tokenize("the harbour master counts the boats"))
     assert len(hook.calls) == 1 and len(hook.calls[0][0]) == new - shared + len(km.tokenize(QUERY))
     assert win.stats().matched_tokens >= shared
-    assert _gap(win) <= TOL
+    _exact(win)
     assert win.chunks()[0] == a
 
 
@@ -177,8 +184,8 @@ def test_a_new_process_on_the_same_store_reads_every_placement_exactly_with_no_c
     mine = win.next_token_logprobs(QUERY)
     s = win.stats()
     assert dict(s.forward_tokens) == {"query": len(km.tokenize(QUERY))} and s.exact_hits == 4
-    assert float((mine - torch.tensor(theirs)).abs().max()) <= TOL
-    assert float((mine - _oracle(km, win.input_ids(QUERY))).abs().max()) <= TOL
+    _same(km, mine, torch.tensor(theirs))
+    _same(km, mine, _oracle(km, win.input_ids(QUERY)))
 
 
 @pytest.mark.slow
@@ -200,7 +207,7 @@ def test_two_processes_reading_the_same_chunks_at_once_compute_each_placement_on
     assert sum(r[2] for r in results) >= 1  # ... after waiting for the one computing it
     ref = _oracle(km, torch.cat([km.tokenize(t) for t in texts] + [km.tokenize(QUERY)]))
     for r in results:
-        assert float((torch.tensor(r[3]) - ref).abs().max()) <= TOL
+        _same(km, torch.tensor(r[3]), ref)
 
 
 def test_vision_chunks_run_the_tower_once_and_stay_exact():
@@ -214,13 +221,13 @@ def test_vision_chunks_run_the_tower_once_and_stay_exact():
     win = Window(km, budget_tokens=4096)
     ids = [win.append(Text("A shelf.")), win.append(Image(pictures[0])), win.append(Text(" then")),
            win.append(Image(pictures[1])), win.append(Text(" end."))]
-    gap = float((win.next_token_logprobs(" What changed?") - win.reference_logprobs(" What changed?")).abs().max())
-    assert gap <= TOL and win.stats().encoder_calls == 2
+    _same(km, win.next_token_logprobs(" What changed?"), win.reference_logprobs(" What changed?"))
+    assert win.stats().encoder_calls == 2
     win.evict(ids[1])
     win.recall(ids[1])
     win.reorder([ids[3], ids[0], ids[1], ids[2], ids[4]])
-    gap = float((win.next_token_logprobs(" What changed?") - win.reference_logprobs(" What changed?")).abs().max())
-    assert gap <= TOL and win.stats().encoder_calls == 2  # moved and recalled: no tower run
+    _same(km, win.next_token_logprobs(" What changed?"), win.reference_logprobs(" What changed?"))
+    assert win.stats().encoder_calls == 2  # moved and recalled: no tower run
 
 
 def test_sliding_window_layers_stay_exact_across_slides():
@@ -230,5 +237,5 @@ def test_sliding_window_layers_stay_exact_across_slides():
     win = Window(km, budget_tokens=budget)
     for t in texts:
         win.append(t)
-        assert _gap(win) <= TOL
+        _exact(win)
     assert win.stats().evictions >= 2 and win.tokens() > 64

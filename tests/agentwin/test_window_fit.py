@@ -12,6 +12,7 @@ from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
 from kamera_core.metrics import kl_divergence
 from tests.agentwin.test_guard import A, B, _km  # the same two chunks and model cache as the guard's tests
+from tests.support import forward_growth, tolerance
 
 QUERY = " who wrote the surge?"
 
@@ -72,7 +73,9 @@ def test_max_kl_keeps_the_plain_fit_at_the_rank_it_chose():
     deltas, _, _ = _captured(km, win, b)
     want = kp.build_patch(deltas, [(rank, rank)] * len(deltas), "svd", storage="fp32")
     assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
-    _same_corrected_kv(win._chunks[b].canonical, stored, want)
+    plain = [tuple(kp.fit_with_gains(d) for d in pair) for pair in deltas]  # the same fit, full rank
+    _rounds_the_fit(km, win._chunks[b].canonical, stored, [tuple(f for f, _, _ in pair) for pair in plain],
+                    [tuple(g for _, g, _ in pair) for pair in plain], "fp32")
 
 
 # float32 factors (a float64 fit) on gpt-neox: mixed ones are fitted in float32, where the
@@ -83,7 +86,7 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     ladder's rungs are that fit within the budget, √2 times it, and so on: the patch kept is the
     evaluation's `kamera-residual` fit (in `storage`) of a separate capture of the model's forward
     at one of those budgets, larger than the budget itself when the target is out of reach."""
-    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
+    from agentwin.eval.fits import Conditioning, patch_at, patch_fits
     from kamera_core import fit_metric as fm
 
     km = _km(name)
@@ -104,11 +107,12 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     rungs = []
     while not rungs or rungs[-1] < full:
         rungs.append(min(full, math.ceil(round(first * 2 ** (len(rungs) / 2), 6))))
-    wants = [eval_fit(Conditioning(deltas, queries, 0.0, residual), "kamera-residual", budget, storage,
-                      km.layout.num_kv_heads, [v for _, v in canonical], projections) for budget in rungs]
+    fits = patch_fits(Conditioning(deltas, queries, 0.0, residual), "kamera-residual", km.layout.num_kv_heads,
+                      [v for _, v in canonical], projections)
+    wants = [patch_at(fits, budget, storage) for budget in rungs]
     want = next(w for w in wants if w.nbytes == stored.nbytes)
     assert _ranks(stored) == _ranks(want)
-    _same_corrected_kv(canonical, stored, want)
+    _rounds_the_fit(km, canonical, stored, fits.full, fits.gains, storage)
 
 
 def test_max_kl_is_checked_and_ignored_for_exact_patches():
@@ -193,8 +197,8 @@ def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     """B's patch from a window with `fit` (its default when "residual") at the default 6% budget
     (checked to be within it and counted), and the evaluation's `kamera-{fit}` fit in `storage` of a
     separate capture of the model's forward at that budget (`agentwin.eval.fits`). Returns
-    (window, stored patch, B's canonical KV, fit)."""
-    from agentwin.eval.fits import Conditioning, fit_patch as eval_fit
+    (window, stored patch, B's canonical KV, the evaluation's patch, its full-rank fits)."""
+    from agentwin.eval.fits import Conditioning, patch_at, patch_fits
     from kamera_core import fit_metric as fm
 
     win = Window(km, patch="origin-akin", budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
@@ -208,17 +212,61 @@ def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     weights = [layer.attention.dense.weight if name == "tiny-gpt-neox" else layer.self_attn.o_proj.weight
                for layer in km.model.get_decoder().layers]
     projections = [fm.projection_metric(w, km.layout.num_kv_heads, km.layout.value_dim) for w in weights]
-    want = eval_fit(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", budget, storage,
-                    km.layout.num_kv_heads, [v for _, v in canonical], projections)
-    return win, stored, canonical, want
+    fits = patch_fits(Conditioning(deltas, queries, 0.0, residual), f"kamera-{fit}", km.layout.num_kv_heads,
+                      [v for _, v in canonical], projections)
+    return win, stored, canonical, patch_at(fits, budget, storage), fits
 
 
-def _same_corrected_kv(canonical, stored, want) -> None:
-    from kamera_core import patch as kp
+def _storage_rounding(f) -> torch.Tensor:
+    """`[T, *F]` float64: per element, the most that storing factors in their form moves their
+    product. Each stored factor is within half a step of the fitted one (int8 and 4-bit codes: half
+    their component's scale; fp16 / bf16 / fp32: half an ulp, eps/2 of the value), so over the
+    components j, |u·vt − ũ·ṽt| ≤ Σ_j h_u·|ṽt| + (|ũ| + h_u)·h_vt, taken from the stored ũ, ṽt."""
+    u, vt = f.factors(torch.float64)
+    flat = vt.reshape(vt.shape[0], -1)
+    if f.u_scale is not None:
+        hu, hvt = (f.u_scale.double() / 2).expand_as(u), (f.vt_scale.double() / 2)[:, None].expand_as(flat)
+    else:
+        half = torch.finfo(f.u.dtype).eps / 2
+        hu, hvt = u.abs() * half, flat.abs() * half
+    return (hu @ flat.abs() + (u.abs() + hu) @ hvt).reshape(u.shape[0], *vt.shape[1:])
 
-    for (gk, gv), (wk, wv) in zip(kp.apply_patch(canonical, stored), kp.apply_patch(canonical, want)):
-        assert float((gk - wk).abs().max()) <= 2e-3 * float(wk.abs().max())
-        assert float((gv - wv).abs().max()) <= 2e-3 * float(wv.abs().max())
+
+def _rounds_the_fit(km, canonical, stored, full, gains, storage: str) -> None:
+    """`stored` corrects the canonical KV as the same fit of a separate capture does: per layer, K
+    and V within what storing the factors rounds (`_storage_rounding`) of `full` (that fit's
+    full-rank float factors, ordered by gain) cut to the stored ranks, plus what float rounding of
+    the two fits explains. Two fits whose floats agree to rounding can still round a code the
+    other way (one int8 step of a leading component, ~1/127 of it), so the stored codes are held to
+    their own rounding of the fit, never to the other fit's codes.
+
+    The float fits differ by the float32 forwards their deficits come from (`forward_growth`, at
+    the KV's scale), and where the window decomposes in float32 (`precision_for`: int8, mixed,
+    16-bit storage) by the Gram matrix's rounding, eps·√n·σ₀² over n = max(T, F) terms, which turns
+    the kept subspace by at most that over the gap σ²_r − σ²_{r+1} at the cut (Davis-Kahan) and
+    moves the product by twice that angle times σ_r/σ₀ of its scale."""
+    from kamera_core.fit_batch import precision_for
+
+    precision = precision_for(storage)
+    forward = forward_growth(km.model.config)
+    ranks = _ranks(stored)
+    for layer, (lp, (ck, cv), pair, gpair, rpair) in enumerate(zip(stored.layers, canonical, full, gains, ranks)):
+        for slot, got, base, fitted, g, r in zip("kv", (lp.k, lp.v), (ck, cv), pair, gpair, rpair):
+            if got is None:
+                continue
+            want = fitted.truncate(r).dense(torch.float64)
+            scale, kv, g = float(want.abs().max()), float(base.abs().max()), g.double()
+            n = max(int(want.shape[0]), want[0].numel())
+            gap = float(g[r - 1] - g[r]) if r < len(g) else math.inf
+            perturbed = tolerance(precision, 1.0, math.sqrt(n)) + tolerance(torch.float32, kv / max(scale, 1e-30), forward)
+            angle = min(1.0, perturbed * float(g[0]) / gap) if gap > 0 else 1.0
+            turned = 2 * angle * math.sqrt(float(g[r - 1] / g[0])) * scale if float(g[0]) > 0 else 0.0
+            rounding = _storage_rounding(got)
+            bound = rounding + tolerance(torch.float32, kv, forward) + turned
+            diff = (got.dense(torch.float64) - want).abs()
+            assert bool((diff <= bound).all()), (
+                f"layer {layer} {slot}: the stored patch is off the fit by {float(diff.max()):.3e}, past its bound by "
+                f"{float((diff - bound).max()):.3e} (storage rounding up to {float(rounding.max()):.3e}, turned {turned:.3e})")
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gqa", "tiny-gpt-neox"])
@@ -231,12 +279,12 @@ def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(na
     fitted or drops it, never changes it."""
     km = _km(name)
     args = {} if fit == "residual" else {"fit": fit}  # residual: the default
-    win, stored, canonical, want = _window_and_evaluation_fit(km, name, fit, "int8")
+    win, stored, canonical, want, fits = _window_and_evaluation_fit(km, name, fit, "int8")
     assert (win.rank, win.patch_bytes, win.fit, win.storage) == ("budget", 0.06, fit, "int8")  # no guard at 6%
     assert _ranks(stored) == _ranks(want) and stored.nbytes == want.nbytes
     if fit != "query":
         assert len(set(_ranks(stored))) > 1  # spread, not one rank for all
-    _same_corrected_kv(canonical, stored, want)
+    _rounds_the_fit(km, canonical, stored, fits.full, fits.gains, "int8")
     checked = Window(km, patch="origin-akin", budget_tokens=4096, guard=True, storage="int8", **args)
     checked.append(A)
     guarded = next(iter(checked._chunks[checked.append(B)].patches.values()))
@@ -251,11 +299,11 @@ def test_mixed_storage_patches_are_the_evaluations_mixed_fit():
     of a separate capture (same ranks, same int8 / 4-bit split, same bytes) within 6%; it needs
     the allocator, and max_kl's ladder takes int8 under it."""
     km = _km("tiny-llama-gqa")
-    _, stored, canonical, want = _window_and_evaluation_fit(km, "tiny-llama-gqa", "residual", "mixed")
+    _, stored, canonical, want, fits = _window_and_evaluation_fit(km, "tiny-llama-gqa", "residual", "mixed")
     split = [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in stored.layers]
     assert split == [[(f.rank, f.int4_rank) if f is not None else (0, 0) for f in (lp.k, lp.v)] for lp in want.layers]
     assert stored.nbytes == want.nbytes and any(r4 > 0 for layer in split for _, r4 in layer)
-    _same_corrected_kv(canonical, stored, want)
+    _rounds_the_fit(km, canonical, stored, fits.full, fits.gains, "mixed")
     for args in ({"fit": "svd"}, {"fit": "query"}, {"rank": 4}):
         with pytest.raises(ValueError, match="storage='mixed' is chosen per component"):
             Window(km, patch="origin-akin", storage="mixed", **args)

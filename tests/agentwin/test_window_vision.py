@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agentwin import Frames, Image, KameraModel, Text, Window
 from agentwin.models.vision import VisionInputError
-from tests.support import window_step
+from tests.support import assert_close, forward_growth, window_step
 
-TOL = 1e-4
 QUERY = " what changed?"
 TEXTS = ["look at the screen:", " then the next page", " a caption under it", " the menu opened"]
 
@@ -43,8 +42,11 @@ def _oracle(km: KameraModel, win: Window, query: str) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)
 
 
-def _gap(win: Window, km: KameraModel) -> float:
-    return float((win.next_token_logprobs(QUERY) - _oracle(km, win, QUERY)).abs().max())
+def _exact(win: Window, km: KameraModel) -> None:
+    """The window's read equals the oracle to float32 rounding through the language model's
+    forward: eps · max|log p| · √(hidden_size · num_layers) (`tests.support.forward_growth`)."""
+    assert_close(win.next_token_logprobs(QUERY), _oracle(km, win, QUERY), what="next-token log-probabilities",
+                 growth=forward_growth(km.model.config))
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
@@ -56,14 +58,14 @@ def test_images_and_frames_exact_after_evict_and_recall(name):
     win.append(Text(TEXTS[1]))
     clip = win.append(Frames(_frames(2), fps=2.0, min_tokens=4, max_tokens=8))
     win.append(Text(TEXTS[2]))
-    assert _gap(win, km) <= TOL
+    _exact(win, km)
     assert win.stats().encoder_calls == 2  # the tower ran once per image / clip
     win.evict(image)
-    assert _gap(win, km) <= TOL
+    _exact(win, km)
     win.evict(clip)
     win.recall(image)
     win.recall(clip)
-    assert _gap(win, km) <= TOL
+    _exact(win, km)
     assert win.stats().encoder_calls == 2  # recalls and conditioned passes reused the tower's outputs
     assert win.stats().encoder_hits >= 1
     win.check_integrity()
@@ -79,7 +81,7 @@ def test_image_chunk_spans_position_units_not_tokens():
     assert chunk.span == max(h, w) // 2 + 2 < chunk.ids.numel()
     win = Window(km, budget_tokens=4096, patch="none")
     win.append(Image(_image(3, (112, 224)), max_tokens=64))
-    assert _gap(win, km) <= TOL  # a window holding just the image: no patch involved
+    _exact(win, km)  # a window holding just the image: no patch involved
 
 
 images = st.integers(0, 3)
@@ -105,7 +107,7 @@ def test_qwen_vl_exact_after_any_sequence(name, sequence):
     for op, arg in sequence:
         window_step(win, op, arg, evicted, lambda op, arg: win.append(_content(op, arg)))
         win.check_integrity()
-        assert _gap(win, km) <= TOL
+        _exact(win, km)
 
 
 def test_same_image_again_is_a_store_hit_without_the_vision_tower():
@@ -123,7 +125,7 @@ def test_same_image_again_is_a_store_hit_without_the_vision_tower():
     other.append(Image(_image(5), max_tokens=16))
     other.materialize()
     assert other.stats().canonical_hits == 1 and other.stats().encoder_calls == 0
-    assert _gap(other, km) <= TOL
+    _exact(other, km)
 
 
 def test_text_only_model_refuses_images_and_keeps_its_state():
@@ -174,7 +176,7 @@ def test_evicted_frames_leave_their_pixels_in_the_store_and_come_back_exact():
     assert all(win._chunks[c].inputs.pixels.numel() > 0 for c in win.chunks())
     win.recall(evicted[0], at=0)
     assert win._chunks[evicted[0]].inputs.pixels.numel() > 0
-    assert _gap(win, km) <= TOL
+    _exact(win, km)
     # The store's budget dropped another chunk's pixels meanwhile: its recall is refused, nothing changes.
     lost = evicted[1]
     assert win.store.delete(win._chunks[lost].pixels_key)

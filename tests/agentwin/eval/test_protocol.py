@@ -13,6 +13,8 @@ import torch
 from agentwin.eval import binding as bd, contexts as cx, fits as ek, selection, suite
 from agentwin.eval import workloads as wl
 from agentwin.models.zoo import build_tiny
+from tests.agentwin.eval.test_baselines import _kl_tol
+from tests.support import assert_close, tolerance
 
 
 def _row(split, method, setting, acc, bytes_frac=0.0, compute_frac=0.0, cond="c"):
@@ -120,7 +122,9 @@ def test_token_sparse_rows_fit_the_budget_and_take_the_largest_deficits():
     canonical = [(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4)) for _ in range(3)]
     everything = ek.sparse_rows(deltas, 10 ** 9).apply(canonical)
     for (k, v), (dk, dv) in zip(everything, deltas):
-        assert torch.allclose(k, dk, atol=1e-2 * float(dk.abs().max())) and torch.allclose(v, dv, atol=1e-2 * float(dv.abs().max()))
+        # the rows are stored in fp16: within half an fp16 ulp of each deficit entry
+        assert_close(k, dk, tolerance(torch.float16, float(dk.abs().max()), 0.5), "token-sparse keys")
+        assert_close(v, dv, tolerance(torch.float16, float(dv.abs().max()), 0.5), "token-sparse values")
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +187,8 @@ def test_only_the_chosen_and_fixed_settings_decode_greedily(reorder_ctx):
     assert rows[("full", "")]["greedy_same"] == 1.0
     everything = {(r["method"], r["setting"]): r for r in wl.run_context(ctx, conds, plan, 3)}
     for key, r in rows.items():  # splitting the batch changes no figure
-        assert r["kl"] == pytest.approx(everything[key]["kl"], rel=1e-6, abs=1e-9), key
+        # another batch rounds the read's logits differently (forward_growth): the KL moves by _kl_tol
+        assert r["kl"] == pytest.approx(everything[key]["kl"], abs=_kl_tol(ctx, everything[key]["kl"])), key
     assert rows[("kamera-svd", "12.0%")]["greedy_same"] == everything[("kamera-svd", "12.0%")]["greedy_same"]
 
 

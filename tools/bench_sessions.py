@@ -47,13 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "this process); every strategy of a session runs in one process")
     parser.add_argument("--repeats", type=int, default=None,
                         help="replays of the timed strategies for wall time (default 3; 1 with --quick)")
+    parser.add_argument("--test-seeds", default=None,
+                        help="comma-separated seeds of the test split (default 1,2,3; the validation seed is 0)")
 
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["agentwin bench sessions", "--model", args.model]
     for flag, value in (("--json", args.json), ("--kinds", args.kinds), ("--greedy", args.greedy),
                         ("--jobs", args.jobs if args.jobs != 1 else None),
-                        ("--reads", args.reads), ("--repeats", args.repeats)):
+                        ("--reads", args.reads), ("--repeats", args.repeats),
+                        ("--test-seeds", None if args.test_seeds is None else ",".join(map(str, args.test_seeds)))):
         if value is not None:
             parts += [flag, str(value)]
     if args.threads != 2:
@@ -84,6 +87,15 @@ def run(args: argparse.Namespace) -> int:
     greedy = args.greedy if args.greedy is not None else (4 if args.quick else 16)
     reads = args.reads if args.reads is not None else (7 if args.quick else 30)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if args.test_seeds is not None:
+        try:
+            args.test_seeds = tuple(dict.fromkeys(int(x) for x in args.test_seeds.split(",") if x.strip()))
+        except ValueError:
+            args.test_seeds = ()
+        if not args.test_seeds or set(args.test_seeds) & set(VALIDATION_SEEDS) or min(args.test_seeds) < 0:
+            print(f"error: --test-seeds must be comma-separated seeds >= 0 other than the validation seeds "
+                  f"{list(VALIDATION_SEEDS)}", file=sys.stderr)
+            return 2
     if bad or not kinds:
         print(f"error: --kinds must name session kinds among {','.join(KINDS)}, got {args.kinds!r}", file=sys.stderr)
         return 2
@@ -108,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         torch.manual_seed(0)
         km = KameraModel.from_pretrained(args.model)
-        seeds = (VALIDATION_SEEDS[:1] + TEST_SEEDS[:1]) if args.quick else VALIDATION_SEEDS + TEST_SEEDS
+        test_seeds = TEST_SEEDS if args.test_seeds is None else args.test_seeds
+        seeds = (VALIDATION_SEEDS[:1] + test_seeds[:1]) if args.quick else VALIDATION_SEEDS + test_seeds
         in_view = QUICK_IN_VIEW if args.quick else IN_VIEW
         sessions = [make_session(kind, seed, km, reads, in_view=in_view) for kind in kinds for seed in seeds]
         if args.jobs > 1:

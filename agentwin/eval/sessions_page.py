@@ -53,7 +53,7 @@ def _method(val: str, test: str) -> list[str]:
         "to the old slot) and `thread` (a crew's minutes whose entries name people by role and pronoun, introduced in an "
         f"earlier entry; recalls to the old slot). Seeds {val} are the validation split, where prefix caching and every "
         "setting of a swept strategy run and one is chosen (the fewest tokens among those meeting the contract, else the "
-        f"lowest KL); seeds {test} are the test split, where each strategy runs once at its chosen setting; the figures "
+        f"lowest KL); seeds {test} are the test split (each model's section names its own), where each strategy runs once at its chosen setting; the figures "
         "below are pooled over the test reads.", "",
         "Every strategy replays the same operations in one process on the same model and threads. At every read: the "
         "next-token distribution after the question (KL against the float32 re-prefill of the same tokens, in nats) and "
@@ -80,7 +80,8 @@ def _model_section(result: dict[str, Any]) -> list[str]:
              f"Reads per session: {s['reads']}. Repeats of the timed strategies: {s['repeats']}. "
              f"Load average at start {result['loadavg_start']}, at end {result['loadavg_end']} (2-CPU machine). "
              f"Total {result['elapsed_s']:.0f} s. {result['test_reads']} test reads over "
-             f"{len([1 for e in result['sessions'].values() if e['split'] == 'test'])} test sessions."
+             f"{len([1 for e in result['sessions'].values() if e['split'] == 'test'])} test sessions (seeds "
+             f"{', '.join(map(str, sorted({e['seed'] for e in result['sessions'].values() if e['split'] == 'test'})))})."
              + (" **Quick run: a check of the command, not a measurement.**" if s.get("quick") else ""), ""]
     lines += _contract(result)
     lines += _frontier(result)

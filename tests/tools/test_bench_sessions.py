@@ -79,3 +79,9 @@ def test_quick_run_writes_every_figure_and_the_default_is_exact_and_never_above_
     text = page.read_text()
     assert text.startswith("# Chat sessions") and "agentwin bench sessions --model smollm2" in text
     assert main(["bench", "sessions", "--quick", "--kinds", "poems"]) == 2
+
+
+def test_test_seeds_must_be_seeds_outside_the_validation_split(capsys):
+    for bad in ("0", "x", ",", "-1"):
+        assert main(["bench", "sessions", "--test-seeds", bad]) == 2, bad
+        assert "--test-seeds" in capsys.readouterr().err

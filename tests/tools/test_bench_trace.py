@@ -211,11 +211,11 @@ def test_bench_trace_quick_on_smollm2(tmp_path, monkeypatch):
     checks: list[tuple[str, int, int]] = []
     plain_replay = trace_mod.replay
 
-    def hooked(trace, strategy, greedy=16):
+    def hooked(trace, strategy, greedy=16, forced=None):
         models = {id(m): m for m in (strategy.km.model, getattr(strategy, "model", strategy.km.model))}
         counter = _Counter(*models.values())
         try:
-            run = plain_replay(trace, strategy, greedy)
+            run = plain_replay(trace, strategy, greedy, forced)
         finally:
             counter.close()
         checks.append((run.strategy, sum(run.forward_tokens.values()), counter.tokens))

@@ -42,10 +42,10 @@ settings (`PatchSettings`):
   reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
   plain fit at that rank, doubled per rung, `rank_ladder`). On SmolLM2's four hard cases, with
   each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-17%
-  of B's fp16 KV bytes, the one-rank ladder at 73-83% (`agentwin.eval.guard_study`).
+  of B's fp16 KV bytes, the one-rank ladder at 73-83% (`tools.studies.guard_study`).
 
 The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
-(`agentwin.eval.selection.window_default` over `docs/results/eval_binding.json` and
+(`tools.bench.selection.window_default` over `docs/results/eval_binding.json` and
 `eval_smollm2.json`): `kamera-residual-mixed` (fit "residual", storage "auto", which is "mixed"
 under it), with the lowest mean validation rank over the 5 groups (1.4; residual-int8 4.0,
 output-int8 and query-int8 4.2, alloc-int8 and svd-int8 4.4). It tops both binding conditions
@@ -79,7 +79,7 @@ BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
 # guard="auto" (the default) turns the patch guard on below this byte budget (and for rank=N
-# windows, whose share of the bytes depends on the chunk). Measured by `agentwin.eval.guard_study`
+# windows, whose share of the bytes depends on the chunk). Measured by `tools.studies.guard_study`
 # on SmolLM2's four hard cases (its budgets are shares of B's KV at fp16: on the float32 model the
 # window's patch_bytes is half of each): without the guard the allocator read worse than blind
 # reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042), the output

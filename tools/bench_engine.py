@@ -1,7 +1,7 @@
 """`agentwin bench engine`: the window's KV engine on the real SmolLM2-135M-Instruct: recall to the
 first token, decoding over many segments, and the memory of a long loop under fixed budgets.
 
-The parts and their figures are described in `agentwin.eval.engine_bench`.
+The parts and their figures are described in `tools.bench.engine_bench`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval import engine_bench
+    from tools.bench import engine_bench
 
     problem = engine_bench.check(args)
     if problem:

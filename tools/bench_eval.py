@@ -1,6 +1,6 @@
 """`agentwin bench eval`: Kamera against blind reuse, CacheBlend-, EPIC- and VLCache-style recompute and a byte-matched token-sparse store, settings chosen on validation and scored on test; written to docs/RESULTS.md.
 
-The suite is `agentwin.eval.suite`; this module parses the options and picks where the page goes.
+The suite is `tools.bench.suite`; this module parses the options and picks where the page goes.
 `--quick` runs the whole suite on a few items, for checking it end to end.
 """
 
@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from agentwin.eval.suite import Options, run_suite
+from tools.bench.suite import Options, run_suite
 
 POSITIVE = ("binding_val_items", "binding_test_items", "binding_test_sets", "smollm2_val_cases", "smollm2_test_cases",
             "smollm2_queries", "vl_seeds")
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"questions per SmolLM2 case (default {d.smollm2_queries})")
     parser.add_argument("--vl-seeds", type=int, default=d.vl_seeds, help=f"multimodal layouts per model (default {d.vl_seeds})")
     parser.add_argument("--binding-checkpoint", metavar="DIR", default=None,
-                        help="binding checkpoint directory (default: the shipped agentwin/eval/binding/data)")
+                        help="binding checkpoint directory (default: the shipped tools/bench/binding/data)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("binding", "smollm2", "multimodal"),
                         help="workloads not to run; their figures from an earlier run in the same results "

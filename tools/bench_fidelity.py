@@ -1,7 +1,7 @@
 """`agentwin bench fidelity`: patch fidelity under byte budgets on the agent traces (doc, web,
 video) and the hard-case traces, on the real SmolLM2, against the float32 re-prefill with the
 bfloat16 noise floor; stale patches against blind reuse; a stale-patch guard chosen on validation
-traces (`agentwin.eval.fidelity`).
+traces (`tools.bench.fidelity`).
 
 `--json FILE` writes the results (`greedy16_at_6pct`, `kl_at_6pct`, `noise_floor_greedy16`,
 `noise_floor_kl`, `stale_worse_than_blind`, `stale_cases`, `stale_cases_by_trace`, `traces`, ...);
@@ -25,7 +25,7 @@ DEFAULT_PAGE = "docs/results/FIDELITY.md"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from agentwin.eval.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
+    from tools.bench.fidelity import BUDGETS, DEFAULT_FITS, STALE_GUARDS
 
     add_replay_arguments(parser, DEFAULT_PAGE)
     parser.add_argument("--hard-cases", default="all", help="comma-separated hard cases, 'all' or 'none' (default all)")
@@ -43,12 +43,12 @@ def _names(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from agentwin import KameraModel
-    from agentwin.eval.fidelity import hard_case_traces, run_fidelity
-    from agentwin.eval.fidelity_page import render_page
-    from agentwin.eval.hard_cases import hard_case_names
-    from agentwin.eval.runs import bf16_path
-    from agentwin.eval.trace import load_traces, to_jsonable
-    from agentwin.eval.traces import record
+    from tools.bench.fidelity import hard_case_traces, run_fidelity
+    from tools.bench.fidelity_page import render_page
+    from tools.bench.hard_cases import hard_case_names
+    from tools.bench.runs import bf16_path
+    from tools.bench.trace import load_traces, to_jsonable
+    from tools.bench.traces import record
 
     if args.threads < 1 or args.greedy < 1 or args.questions < 1:
         print("error: --threads, --greedy and --questions must be positive", file=sys.stderr)

@@ -1,6 +1,6 @@
 """`agentwin bench fleet`: a pool of agent workers with one shared store vs a private store each.
 
-The workload, the two runs and the figures are described in `agentwin.eval.fleet_bench`.
+The workload, the two runs and the figures are described in `tools.bench.fleet_bench`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval import fleet_bench
+    from tools.bench import fleet_bench
 
     problem = fleet_bench.check(args)
     if problem:

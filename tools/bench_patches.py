@@ -10,7 +10,7 @@ indirectly, questions naming the entities) is measured against a full re-prefill
 - the orbit patch for the set {B, E1, E2} read after A in all 6 orders;
 - patch build cost in units of one re-prefill of B, and the reuses after which it has paid off.
 Writes a table to stdout, JSON (`--json`) and a PNG plot of KL versus bytes (`--plot`). The
-measurements are `agentwin.eval.harness`.
+measurements are `tools.bench.harness`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import torch
 
 from agents.console import positive_arg, torch_threads
-from agentwin.eval.harness import measure_case, measure_orbit, print_report, summarise
+from tools.bench.harness import measure_case, measure_orbit, print_report, summarise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from agentwin.eval import patches_page, runs
-    from agentwin.eval.plots import plot_kl_vs_bytes
+    from tools.bench import patches_page, runs
+    from tools.bench.plots import plot_kl_vs_bytes
     from agentwin.models.zoo import load_smollm2
 
     if args.seeds < 1 or args.orbit_seeds < 0:

@@ -2,7 +2,7 @@
 
 Two workloads, each a window with other chunks around one large segment:
 - text: the real SmolLM2-135M-Instruct; [register, narrative, SEGMENT (>= 4096 tokens by default),
-  two continuation chunks], texts from `agentwin.eval.datasets`;
+  two continuation chunks], texts from `tools.bench.datasets`;
 - video: a model with Qwen2.5-VL-3B's real text and vision dimensions (random init, fewer layers:
   `--text-layers`, `--vision-layers`); [intro text, SEGMENT = Frames of 64 generated frames,
   two text chunks].
@@ -11,7 +11,7 @@ Sides, all in this process with the same `--threads` and inputs, `--repeats` run
 interleaved, min and median reported: recall with a rank-`--rank` origin patch, blind recall,
 re-prefill of the window and query, and (video) re-prefill with the vision tower's outputs fed
 from the window's encoder cache. Every forward of every side is counted and checked against
-hooks on the model (`agentwin.eval.recall` has the details). `--json FILE` writes the figures
+hooks on the model (`tools.bench.recall` has the details). `--json FILE` writes the figures
 and the results page (`--page`, default RECALL.md next to FILE) from them.
 """
 
@@ -80,7 +80,7 @@ def _refused(args: argparse.Namespace, workloads: list[str]) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval import recall, recall_page, runs
+    from tools.bench import recall, recall_page, runs
 
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     problem = _refused(args, workloads)

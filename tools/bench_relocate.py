@@ -1,6 +1,6 @@
 """`agentwin bench relocate`: CPU relocation throughput as a ratio to a plain copy of the same bytes.
 
-What is timed and compared: `agentwin.eval.relocate_bench`.
+What is timed and compared: `tools.bench.relocate_bench`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from agentwin.eval.relocate_bench import dtype_name, even_positive_int, failure, format_table, measure, positive_int
+from tools.bench.relocate_bench import dtype_name, even_positive_int, failure, format_table, measure, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

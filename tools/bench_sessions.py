@@ -1,7 +1,7 @@
 """`agentwin bench sessions`: generated chat sessions replayed through re-prefill, prefix caching, the
 default window, survival, the survival repair and the patch policies, on a real model; tokens
 forwarded, wall time and fidelity against the float32 re-prefill at every read, with the
-bfloat16 noise floor (`agentwin.eval.session_bench`).
+bfloat16 noise floor (`tools.bench.session_bench`).
 
 `--json FILE` writes the figures (top-level keys, pooled over the test seeds:
 `default_kl_over_floor`, `default_greedy16`, `floor_greedy16`, `default_tokens_over_prefix`,
@@ -31,7 +31,7 @@ QUICK_IN_VIEW = 2.5  # parts in view in --quick sessions: short sessions still s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from agentwin.eval.sessions import KINDS
+    from tools.bench.sessions import KINDS
 
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
     parser.add_argument("--page", metavar="FILE", help=f"write the results page to FILE (default {DEFAULT_PAGE}; "
@@ -78,7 +78,7 @@ def _commit() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval.sessions import IN_VIEW, KINDS, TEST_SEEDS, VALIDATION_SEEDS
+    from tools.bench.sessions import IN_VIEW, KINDS, TEST_SEEDS, VALIDATION_SEEDS
 
     kinds = KINDS if args.kinds is None else tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if args.quick and args.kinds is None:
@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: --threads, --jobs, --greedy and --repeats must be positive and --reads at least 3", file=sys.stderr)
         return 2
     from agentwin import KameraModel
-    from agentwin.eval.session_bench import Runner, run_benchmark
-    from agentwin.eval.sessions import make_session
-    from agentwin.eval.sessions_page import render_page
-    from agentwin.eval.trace import to_jsonable
+    from tools.bench.session_bench import Runner, run_benchmark
+    from tools.bench.sessions import make_session
+    from tools.bench.sessions_page import render_page
+    from tools.bench.trace import to_jsonable
     from agentwin.models.zoo import REAL, load_real
 
     def log(message: str) -> None:

@@ -4,10 +4,10 @@ vision-tower runs, wall time, peak memory, and fidelity against the float32 re-p
 decision, with the bfloat16 noise floor.
 
 Three traces are recorded first from the project's agents run by the agent loop with a scripted
-decider (`agentwin.eval.traces`): the document navigator over a generated 24-page PDF, the web
+decider (`tools.bench.traces`): the document navigator over a generated 24-page PDF, the web
 agent on a generated site served on 127.0.0.1 (headless Chromium), and the long-video loop over a
 generated video whose frames are rendered as text for the text-only model. Then every strategy
-replays each trace in this process (`agentwin.eval.trace_bench`).
+replays each trace in this process (`tools.bench.trace_bench`).
 
 `--json FILE` writes the results (layout: `{"traces": {TRACE: {"revisits", "strategies":
 {STRATEGY: {"forwarded_tokens", "wall_s", "peak_rss_mb", "kl_mean", "top1", "greedy16",
@@ -84,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agentwin import KameraModel
-    from agentwin.eval.trace import load_traces, save_traces, to_jsonable
-    from agentwin.eval.trace_bench import STRATEGIES, render_page, run_benchmark
-    from agentwin.eval.traces import record
+    from tools.bench.trace import load_traces, save_traces, to_jsonable
+    from tools.bench.trace_bench import STRATEGIES, render_page, run_benchmark
+    from tools.bench.traces import record
 
     if args.threads < 1 or args.repeats < 1 or args.greedy < 1:
         print("error: --threads, --repeats and --greedy must be positive", file=sys.stderr)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
               "settings": {"quick": args.quick, "greedy": args.greedy, "repeats": args.repeats,
                            "prefix_capacity_tokens": args.prefix_capacity, "sinks": args.sinks,
                            "strategies": list(strategies), "traces": [t.name for t in traces],
-                           "decider": "scripted navigation (agentwin.eval.traces.PlanDecider)"},
+                           "decider": "scripted navigation (tools.bench.traces.PlanDecider)"},
               "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
     result = to_jsonable(result)
     write_outputs(args, result, DEFAULT_PAGE, render_page)

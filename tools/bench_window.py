@@ -3,7 +3,7 @@ each patch policy forwards.
 
 Four chunks of a generated case are appended ([A, B, E1, E2]); then one of append (nothing),
 recall, evict, reorder, slide runs, under blind reuse, rank-16 origin and orbit patches and exact
-patches (`agentwin.eval.window_ops` has the details). `--json FILE` writes the figures and the
+patches (`tools.bench.window_ops` has the details). `--json FILE` writes the figures and the
 results page (`--page`, default WINDOW.md next to FILE) from them.
 """
 
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval import runs, window_ops
+    from tools.bench import runs, window_ops
     from agentwin.models.adapter import KameraModel
 
     if args.seeds < 1 or args.rank < 1 or args.threads < 1:

@@ -1,7 +1,7 @@
 """`python -m tools.binding`: train the binding model, or measure a checkpoint's held-out accuracy.
 
-The task, the model and the trainer are in `agentwin.eval.binding`; the shipped checkpoint is in
-`agentwin/eval/binding/data/`.
+The task, the model and the trainer are in `tools.bench.binding`; the shipped checkpoint is in
+`tools/bench/binding/data/`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from agentwin.eval.binding import (CHECKPOINT_DIR, LAYOUTS, TRAIN_DEFAULTS, accuracy_blind, accuracy_full, eval_items,
+from tools.bench.binding import (CHECKPOINT_DIR, LAYOUTS, TRAIN_DEFAULTS, accuracy_blind, accuracy_full, eval_items,
                                    load, record_eval, train)
 
 

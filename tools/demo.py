@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentwin.eval.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
+from tools.bench.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
 from agents.console import torch_threads, window_option_error
 from tools import relocation_demo
 from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json

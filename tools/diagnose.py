@@ -1,7 +1,7 @@
 """`agentwin diagnose`: the deficit of one chunk after another, for any supported text model.
 
     agentwin diagnose --a-file A.txt --b-file B.txt --question "Who ...? Answer:" [--model PATH]
-    agentwin diagnose --case code          (a built-in hard case, `agentwin.eval.hard_cases`)
+    agentwin diagnose --case code          (a built-in hard case, `tools.bench.hard_cases`)
 
 Reports per layer the relative deficit ‖Δ‖/‖KV(B|A)‖ of K and V and the share of its energy in
 the top 8/16/32/64 directions, then next-token KL against a full re-prefill for blind reuse,
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question", action="append",
                         help="a question read after [A, B]; repeat for several")
     parser.add_argument("--case", help="a built-in hard case instead of the files and questions: "
-                                       "code, roles, table or steps (agentwin.eval.hard_cases)")
+                                       "code, roles, table or steps (tools.bench.hard_cases)")
     parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
     parser.add_argument("--threads", type=positive_arg, default=1, help="torch CPU threads (default 1, as the demo's)")
@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from agentwin.eval.harness import BUDGETS, measure_texts, print_report, summarise
+    from tools.bench.harness import BUDGETS, measure_texts, print_report, summarise
 
     try:
         if args.case is not None:
-            from agentwin.eval.hard_cases import hard_case
+            from tools.bench.hard_cases import hard_case
 
             if args.a_file or args.b_file or args.question:
                 raise ValueError("--case replaces --a-file, --b-file and --question; give one or the other")

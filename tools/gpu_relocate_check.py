@@ -2,7 +2,7 @@
 
     python -m tools.gpu_relocate_check --json out.json     # a CUDA GPU, repository root
 
-What it measures: `agentwin.eval.gpu_relocate`. Without CUDA it prints why and exits with code 2.
+What it measures: `tools.bench.gpu_relocate`. Without CUDA it prints why and exits with code 2.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from agentwin.eval import gpu_relocate
+    from tools.bench import gpu_relocate
 
     if not torch.cuda.is_available():
         print("gpu_relocate_check needs a CUDA GPU (torch.cuda.is_available() is False); "

@@ -4,7 +4,7 @@ attention over one contiguous cache holding the same tokens.
     python -m tools.gpu_segment_check --json segment_check.json     # a CUDA GPU, repository root
     TRITON_INTERPRET=1 python -m tools.gpu_segment_check --tiny     # CPU smoke test, seconds
 
-What it measures: `agentwin.eval.gpu_segment`. Prints a table and a JSON summary (also written to
+What it measures: `tools.bench.gpu_segment`. Prints a table and a JSON summary (also written to
 --json). Exit code: 0 when every correctness check passes, 1 when one fails, 2 when neither CUDA
 nor the interpreter is available.
 """
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentwin.eval import gpu_segment
+    from tools.bench import gpu_segment
 
     found = gpu_segment.find_device(gpu_segment.apply_tiny(args))
     if found is None:

@@ -1,7 +1,7 @@
 """`agentwin relocation-demo` (or `agentwin demo --relocation`): exact KV relocation on the real
 embedded SmolLM2-135M-Instruct.
 
-What the demo measures: `agentwin.eval.relocation_demo`.
+What the demo measures: `tools.bench.relocation_demo`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import time
 
 from agents.console import positive_arg, torch_threads
-from agentwin.eval.relocation_demo import measure, passed, report
+from tools.bench.relocation_demo import measure, passed, report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -127,7 +127,7 @@ def test_guarded_patch_is_no_worse_than_blind_on_smollm2(case):
     SVD patch of the code case reads worse than blind) and the default window at 1.5%: the guarded
     patch's next-token KL against the transformers model's own full forward is at most blind
     reuse's."""
-    from agentwin.eval.hard_cases import hard_case
+    from tools.bench.hard_cases import hard_case
 
     km = _km("smollm2")
     c = hard_case(case)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agentwin import KameraModel, Window
-from agentwin.eval.fidelity import FILLER
-from agentwin.eval.hard_cases import hard_case
+from tools.bench.fidelity import FILLER
+from tools.bench.hard_cases import hard_case
 from kamera_core.metrics import kl_divergence
 from tests.support import assert_close, forward_growth, tolerance
 

@@ -411,7 +411,7 @@ def test_orbit_patch_is_the_mean_deficit_over_the_fitted_orders():
 def test_orbit_patch_beats_origin_on_reorders_on_smollm2(smollm2):
     """Measured on the real model: rank-16 patches after reorders of four chunks; the orbit patch
     fitted over 6 orders keeps the KL to re-prefill well under the origin patch's."""
-    from agentwin.eval.datasets import make_case
+    from tools.bench.datasets import make_case
 
     model, tokenizer = smollm2
     km = KameraModel(model, tokenizer, name="smollm2")

@@ -54,7 +54,7 @@ def test_a_read_scores_a_continuation_as_the_model_does_in_one_pass(km):
     decoding; and greedy tokens read off the forced pass equal the window's own greedy decode."""
     import torch
 
-    from agentwin.eval.strategies import forced_tokens
+    from tools.bench.strategies import forced_tokens
     from tests.support import assert_close, forward_growth
 
     win = Window(km)

@@ -86,7 +86,7 @@ def test_max_kl_climbs_the_windows_own_fit_by_bytes(name, storage):
     ladder's rungs are that fit within the budget, √2 times it, and so on: the patch kept is the
     evaluation's `kamera-residual` fit (in `storage`) of a separate capture of the model's forward
     at one of those budgets, larger than the budget itself when the target is out of reach."""
-    from agentwin.eval.fits import Conditioning, patch_at, patch_fits
+    from tools.bench.fits import Conditioning, patch_at, patch_fits
     from kamera_core import fit_metric as fm
 
     km = _km(name)
@@ -196,9 +196,9 @@ def test_a_sliding_window_model_takes_the_default_budget_too():
 def _window_and_evaluation_fit(km, name: str, fit: str, storage: str):
     """B's patch from a window with `fit` (its default when "residual") at the default 6% budget
     (checked to be within it and counted), and the evaluation's `kamera-{fit}` fit in `storage` of a
-    separate capture of the model's forward at that budget (`agentwin.eval.fits`). Returns
+    separate capture of the model's forward at that budget (`tools.bench.fits`). Returns
     (window, stored patch, B's canonical KV, the evaluation's patch, its full-rank fits)."""
-    from agentwin.eval.fits import Conditioning, patch_at, patch_fits
+    from tools.bench.fits import Conditioning, patch_at, patch_fits
     from kamera_core import fit_metric as fm
 
     win = Window(km, patch="origin-akin", budget_tokens=4096, storage=storage, **({} if fit == "residual" else {"fit": fit}))
@@ -274,7 +274,7 @@ def _rounds_the_fit(km, canonical, stored, full, gains, storage: str) -> None:
 def test_byte_budget_patches_are_the_evaluations_int8_fits_within_six_percent(name, fit):
     """A window fits B's patch within 6% of B's canonical KV bytes, as the evaluation's
     `kamera-alloc-int8`, `kamera-query-int8`, `kamera-output-int8` or `kamera-residual-int8` does at that budget
-    (`agentwin.eval.fits`) from a separate capture of the model's forward: same ranks, same
+    (`tools.bench.fits`) from a separate capture of the model's forward: same ranks, same
     corrected KV. The patch guard then keeps each layer's key or value patch of that fit as
     fitted or drops it, never changes it."""
     km = _km(name)
@@ -321,7 +321,7 @@ def _ranks(patch) -> list[tuple[int, int]]:
 
 
 def test_alloc_spreads_the_budget_as_the_evaluations_allocator_does():
-    from agentwin.eval.fits import fit_patch as eval_fit
+    from tools.bench.fits import fit_patch as eval_fit
     from kamera_core import budget as kb
 
     km = _km("tiny-llama-gqa")
@@ -366,12 +366,12 @@ def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
     import json
     from pathlib import Path
 
-    from agentwin.eval.selection import window_default
+    from tools.bench.selection import window_default
     from agentwin.window_fit import DEFAULT_PATCH_BYTES
 
     results = Path(__file__).resolve().parents[2] / "docs" / "results"
     chosen = window_default([json.loads((results / f"eval_{n}.json").read_text()) for n in ("binding", "smollm2")])
-    from agentwin.eval.workloads import storage_of
+    from tools.bench.workloads import storage_of
     from agentwin.window_fit import patch_settings
 
     fit, storage = storage_of(chosen["method"].removeprefix("kamera-"))

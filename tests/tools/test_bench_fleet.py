@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from agentwin.eval import fleet_bench
+from tools.bench import fleet_bench
 from tools.cli import main
 
 FIELDS = ("encodes_shared", "encodes_private", "remote_hit_rate", "hit_rate_kind", "wall_s_shared", "wall_s_private",

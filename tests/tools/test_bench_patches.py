@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from agentwin.eval import harness as bp
-from agentwin.eval.plots import plot_kl_vs_bytes
+from tools.bench import harness as bp
+from tools.bench.plots import plot_kl_vs_bytes
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agentwin.content import Frames, Image
-from agentwin.eval import recall, recall_page
-from agentwin.eval.runs import vision_tower
+from tools.bench import recall, recall_page
+from tools.bench.runs import vision_tower
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
 from tools.cli import main

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from agentwin import KameraModel
-from agentwin.eval.sessions import KINDS, TEST_SEEDS, VALIDATION_SEEDS, make_session, session_parts
+from tools.bench.sessions import KINDS, TEST_SEEDS, VALIDATION_SEEDS, make_session, session_parts
 from tools.cli import main
 
 KEYS = ("default_kl_over_floor", "default_greedy16", "floor_greedy16", "default_tokens_over_prefix",

@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
-from agentwin.eval import trace as trace_mod
-from agentwin.eval.strategies import AgentwinStrategy, PrefixCache, RadixTree, Reprefill, Streaming
-from agentwin.eval.trace import Trace, parsed_action, replay, score, summarize
-from agentwin.eval.trace_bench import STRATEGIES, factories, verdict
-from agentwin.eval.traces import RecordingWindow
+from tools.bench import trace as trace_mod
+from tools.bench.strategies import AgentwinStrategy, PrefixCache, RadixTree, Reprefill, Streaming
+from tools.bench.trace import Trace, parsed_action, replay, score, summarize
+from tools.bench.trace_bench import STRATEGIES, factories, verdict
+from tools.bench.traces import RecordingWindow
 from agentwin.models.adapter import KameraModel
 
 TEXTS = {0: "the harbour master keeps the tide log", 1: " she wrote the storm surge in it",

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agentwin.eval import window_ops
-from agentwin.eval.datasets import Case
+from tools.bench import window_ops
+from tools.bench.datasets import Case
 from agentwin.models.adapter import KameraModel
 from tools.cli import main
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from agentwin.eval import relocation_demo
+from tools.bench import relocation_demo
 from tools import cli, demo
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentwin.eval import plots
+from tools.bench import plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

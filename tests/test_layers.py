@@ -1,6 +1,6 @@
 """The layering rules of docs/DESIGN.md, checked on the source: which package may import which,
 transformers only where models are wrapped (and in the benchmarks and studies under tools/), and no private name
-(leading underscore) imported from another package."""
+(leading underscore) imported from another package; command-line parsing (argparse) only in tools/."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def test_import_rules(path):
             problems.append(f"line {line}: {own} may not import {module}")
         if top == "transformers" and not rel.startswith(TRANSFORMERS_ALLOWED):
             problems.append(f"line {line}: transformers imported outside agentwin/models and tools/")
+        if top == "argparse" and own != "tools":
+            problems.append(f"line {line}: command-line parsing belongs to tools/, not {own}")
         if top in PACKAGES and _subpackage(module + ".x") != own_unit:
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             private += [p for p in module.split(".") if p.startswith("_") and not p.startswith("__")]
@@ -75,3 +77,4 @@ def test_the_rules_see_the_imports():
     found = _imports(ROOT / "agentwin" / "window.py")
     assert any(m == "agentwin.models.adapter" and "KameraModel" in n for m, n, _ in found)
     assert len(_sources()) > 50
+    assert any(m == "argparse" for m, _, _ in _imports(ROOT / "tools" / "batch_cli.py"))

@@ -16,12 +16,15 @@ steps; `--json FILE` writes them, `--log FILE` appends each step as a JSON line 
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
-from agents.console import (VLM_HINT, fraction_arg, kl_arg, load_model, make_window, model_kind, positive_arg,  # noqa: F401
-                            positive_float_arg, question_arg, rank_arg, refuse, run_agent, steps_table, write_json)
+from agents import console
+from agents.console import VLM_HINT
+from tools.options import (fraction_arg, kl_arg, make_window, positive_arg, positive_float_arg, question_arg, rank_arg,
+                           refuse, window_option_error, write_json)
 from tools.store_args import add_store_argument
 
 EXIT_CODES = ("exit status: 0 the agent answered; 1 no answer within --max-steps; 2 an error (bad input: "
@@ -152,3 +155,73 @@ WEB = SimpleNamespace(__doc__=_doc("Browse from a start page in headless Chromiu
                       add_arguments=_web_arguments, run=_web_run)
 VIDEO = SimpleNamespace(__doc__=_doc("Watch a video segment by segment and answer a question (the long-video loop)."),
                         add_arguments=_video_arguments, run=_video_run)
+
+
+def run_agent(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: bool = False,
+              check: Callable[[], None] | None = None) -> int:
+    """Check the input (`check`, raising EnvError) and the model name, load the model, open the
+    environment, run the loop with the model deciding, report; torch runs `args.threads` threads
+    meanwhile. The task text and the numbers were checked by the parser (`question_arg`, ...)."""
+    from agents.base import EnvError
+
+    if not isinstance(task, str) or not task.strip():
+        return refuse("the question or task is empty; say what the agent should find out or do")
+    if args.model is None:
+        return refuse(f"this agent reads video frames and needs a vision-language model; {VLM_HINT}")
+    problem = window_option_error(args)
+    if problem:
+        return refuse(problem)
+    vlm, random_weights = console.model_kind(args.model)
+    if random_weights and not args.allow_random_weights:
+        return refuse(f"{args.model} is a built-in test model with random weights: it cannot read the "
+                       f"observations or answer, only exercise the code. "
+                       + (VLM_HINT[0].upper() + VLM_HINT[1:] if needs_vlm else
+                          "Use --model smollm2 (the embedded text model) or a local path / Hugging Face id")
+                       + "; --allow-random-weights runs it anyway (for tests)")
+    if needs_vlm and vlm is False:
+        return refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
+    try:
+        if check is not None:
+            check()
+    except EnvError as err:
+        return refuse(str(err))
+    with console.torch_threads(getattr(args, "threads", None)):
+        return _load_and_run(args, task, make_env, needs_vlm)
+
+
+def _load_and_run(args: Any, task: str, make_env: Callable[[Any], Any], needs_vlm: bool) -> int:
+    from agents.base import EnvError
+    from agents.loop import AgentLoop
+    from agents.model import WindowDecider
+
+    progress = not args.quiet
+    try:
+        km = console.load_model(args.model, progress)  # looked up at call time: tests replace it
+    except (ValueError, OSError, FileNotFoundError) as err:
+        return refuse(f"cannot load model {args.model!r}: {err}")
+    if needs_vlm and not getattr(km, "is_vlm", False):
+        return refuse(f"{args.model} is a text-only model; this agent reads video frames: {VLM_HINT}")
+    try:
+        window = make_window(km, args)
+        env = make_env(km)
+    except EnvError as err:
+        return refuse(str(err))
+    try:
+        loop = AgentLoop(env, window, WindowDecider(args.max_new_tokens), task, max_steps=args.max_steps,
+                         log_path=args.log, progress=progress, keep_relevant=args.keep_relevant)
+        result = loop.run()
+    finally:
+        env.close()
+        window.store.close()  # a Redis tier's connections, a disk tier's lock
+    print("\nsteps:")
+    print(console.steps_table(result.records))
+    print("\nsummary:")
+    print(result.summary.table())
+    if args.json:
+        write_json(args.json, result.to_json())
+        print(f"written to {args.json}")
+    stopped = result.summary.stopped
+    if stopped.startswith("error"):
+        print(stopped, file=sys.stderr)
+        return 2
+    return 0 if stopped == "answer" else 1

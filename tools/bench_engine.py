@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from agents.console import positive_arg
+from tools.options import positive_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from agents.console import positive_arg, torch_threads
+from agents.console import torch_threads
+from tools.options import positive_arg
 from tools.bench.harness import measure_case, measure_orbit, print_report, summarise
 
 

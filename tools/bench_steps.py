@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agents.step_timing import AGENTS, run_steps
-    from tools.agents_cli import load_model, model_kind
+    from agents.console import load_model, model_kind
 
     agents = tuple(a.strip() for a in args.agents.split(",") if a.strip())
     if not agents or set(agents) - set(AGENTS):

@@ -30,9 +30,12 @@ import time
 from pathlib import Path
 
 from tools.bench.demo import EXPECTED, PAGES, QUESTION, run_demo  # noqa: F401 (EXPECTED, PAGES, QUESTION: the demo's texts)
-from agents.console import torch_threads, window_option_error
+from agents.console import torch_threads
+from tools.options import window_option_error
 from tools import relocation_demo
-from tools.agents_cli import add_window_arguments, load_model, make_window, steps_table, write_json
+from agents.console import load_model, steps_table
+from tools.agents_cli import add_window_arguments
+from tools.options import make_window, write_json
 
 
 

@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from agents.console import positive_arg, torch_threads
+from agents.console import torch_threads
+from tools.options import positive_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

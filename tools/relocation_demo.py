@@ -11,7 +11,8 @@ import json
 import sys
 import time
 
-from agents.console import positive_arg, torch_threads
+from agents.console import torch_threads
+from tools.options import positive_arg
 from tools.bench.relocation_demo import measure, passed, report
 
 

@@ -157,7 +157,7 @@ def _failure_text(failures: list[tuple[int, str]]) -> str:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over result records, under the records' own names (see `agents.batch.cli` for what
+    """Totals over result records, under the records' own names (see `tools/batch_cli.py` for what
     each counts): tasks, ok, failed, chunks_computed (None when a record's is None: a policy
     other than exact), chunk_tokens_computed, encodes, exact_hits, waited, chunks_from_store,
     forwards by kind, store_lookups; and distinct_chunks / distinct_placements, the different

@@ -210,7 +210,7 @@ def _ordered(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary_fields(summary: Any, stats: Any, ledger: Any) -> dict[str, Any]:
-    """A finished task's fields (what each counts: `agents.batch.cli`)."""
+    """A finished task's fields (what each counts: `tools/batch_cli.py`)."""
     forwards = {k: int(v) for k, v in stats.forwards.items() if v}
     tokens = {k: int(v) for k, v in stats.forward_tokens.items() if v}
     return {"stopped": summary.stopped, "answer": summary.answer, "steps": summary.steps,

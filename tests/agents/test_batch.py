@@ -423,7 +423,7 @@ def test_cli_writes_one_result_line_per_task_and_reports_bad_lines(tmp_path, wor
 
 
 def test_closing_line_counts_the_chunks_computed_against_the_distinct_placements(reference, capsys):
-    from agents.batch.cli import report
+    from tools.batch_cli import report
 
     report(reference.records, 1.5, "r.jsonl")
     total = summarize(reference.records)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from agents.doc import write_text_pdf
-from tools import agents_cli, cli
+from agents import console
+from tools import cli, options
 
 
 def test_doc_command_runs_the_model_to_the_step_limit_and_reports(tmp_path, capsys):
@@ -118,10 +119,10 @@ def test_quiet_model_loading_prints_no_progress_bar(monkeypatch, capsys):
         return "model"
 
     monkeypatch.setattr(KameraModel, "from_pretrained", staticmethod(fake))
-    assert agents_cli.load_model("smollm2", progress=False) == "model"
+    assert console.load_model("smollm2", progress=False) == "model"
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "something worth seeing" in err and "loading" not in err
-    agents_cli.load_model("smollm2", progress=True)  # stderr is not a terminal here: plain lines, no bar
+    console.load_model("smollm2", progress=True)  # stderr is not a terminal here: plain lines, no bar
     err = capsys.readouterr().err
     assert "loading smollm2 ..." in err and "loaded smollm2 in" in err and "Loading weights" not in err
 
@@ -153,7 +154,7 @@ def test_patch_options_are_checked_before_a_model_is_loaded(tmp_path, capsys, no
     with pytest.raises(SystemExit):
         cli.main(["doc", str(pdf), "--question", "q", "--patch-bytes", "2", "--quiet"])
     assert "expected a fraction in (0, 1]" in capsys.readouterr().err
-    assert agents_cli.rank_arg("budget") == "budget" and agents_cli.rank_arg("exact") is None
+    assert options.rank_arg("budget") == "budget" and options.rank_arg("exact") is None
 
 
 def test_a_fidelity_target_is_checked_and_reaches_the_window(tmp_path, capsys, no_model_load):
@@ -172,9 +173,9 @@ def test_a_fidelity_target_is_checked_and_reaches_the_window(tmp_path, capsys, n
     km = KameraModel.from_pretrained("tiny-llama-gqa")
     args = SimpleNamespace(store=None, budget_tokens=512, patch="origin-akin", rank="budget", patch_bytes=None,
                            max_kl=0.002)
-    window = agents_cli.make_window(km, args)
+    window = options.make_window(km, args)
     assert window.max_kl == 0.002 and window.rank == "budget"
-    assert agents_cli.make_window(km, SimpleNamespace(**{**vars(args), "max_kl": None})).max_kl is None
+    assert options.make_window(km, SimpleNamespace(**{**vars(args), "max_kl": None})).max_kl is None
 
 
 # ---- bad input is refused in one line, with exit status 2, before a model loads ----------------

@@ -74,7 +74,7 @@ def test_a_redis_url_opens_a_redis_tier_and_no_folder(tmp_path, monkeypatch):
     """The agent commands' window gets the same store `agentwin batch` opens: a Redis tier for a
     redis:// URL (nothing connects until it is used), a disk tier for a directory."""
     from agentwin import KameraModel
-    from tools.agents_cli import make_window
+    from tools.options import make_window
 
     monkeypatch.chdir(tmp_path)
     km = KameraModel.from_pretrained("tiny-llama-gqa")

@@ -14,13 +14,10 @@ with transformers' signature (`processor(input_ids, scores) -> scores`, usable i
 once the action object is complete, so decoding stops at its closing brace.
 
 xgrammar was chosen over outlines (outlines-core) and lm-format-enforcer by measurement on the
-embedded SmolLM2 (49152-token vocabulary, the document agent's action schema, greedy decoding of
-three decisions through the window, one torch thread, load average about 5.5): preparing the
-vocabulary took 0.46 s against 0.39 s and 2.6 s, compiling the schema 0.024 s against 9.9 s
-(outlines-core builds a regex index over the vocabulary for every schema) and 0.001 s, and the
-token mask cost 0.27 ms per token against 0.94 ms and 12.9 ms (the model's forward: about 125 ms
-per token then). All three gave the same replies. lm-format-enforcer 0.11.3's transformers
-integration does not import under transformers 5 (`PreTrainedTokenizerBase` moved).
+embedded SmolLM2: all three gave the same replies, outlines-core builds a regex index over the
+vocabulary for every schema (seconds per schema) and masks slower per token, and
+lm-format-enforcer's transformers integration does not import under transformers 5
+(`PreTrainedTokenizerBase` moved).
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ logits. Two checks follow, both against blind reuse:
    after [antecedent, the chunk's earlier rows served blind] and after the same with the guarded
    patch, both in one batched forward (one pass over the weights); their next-token KL against
    the pass's logits decides whether the patch is kept at all. A per-layer gain does not always
-   survive the layers above it (on SmolLM2, a rank-1 or rank-2 patch of a code chunk lowered
-   every layer's probe error yet raised the questions' KL over blind by 30%); this check is what
-   catches it.
+   survive the layers above it (a low-rank patch can lower every layer's probe error and still
+   raise the next-token KL over blind reuse); this check is what catches it.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from kamera_core.metrics import kl_divergence
 from kamera_core.rope import RopeSpec
 from kamera_core.segment import Segment, merge_states, patch_option_states, segment_state
 
-# Probe rows: the chunk's last rows (they attend to all of it). 16 rows were too few: on SmolLM2's
-# code case at 1.5% of the bytes they let through a patch that read worse than blind reuse.
+# Probe rows: the chunk's last rows (they attend to all of it); half as many let a patch that read
+# worse than blind reuse through on the guard study's hard cases.
 PROBE_ROWS = 32
 # A patched option must lower the probe error by this fraction of the error it is compared with
 # (per layer), and a whole patch its probe rows' next-token KL by this fraction of blind's.

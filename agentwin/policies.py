@@ -22,13 +22,12 @@ told of each pass the window ran), chosen by `Window(patch=...)`:
   `origin-either`, and also after a new neighbour whose key summary is close to the one it had at
   its origin (cosine of mean canonical keys at least `SIMILAR`, no forward); `origin-akin`
   (`OriginAkin`): as `origin-similar`, and also behind a new neighbour at least as close to the
-  old one as the chunk's own summary is. Stale-patch guards, measured by `agentwin bench
-  fidelity` (SmolLM2) and `agentwin bench eval` (the binding model).
+  old one as the chunk's own summary is. Stale-patch guards; `agentwin bench fidelity` and
+  `agentwin bench eval` measure them (docs/results/FIDELITY.md).
 The patch policies compute a chunk's first placement (its in-context pass, from which its patch
 is fitted) and, with exact patches (`rank=None`), every new placement. A chunk at the front of
-the window never takes a patch: its canonical KV is exact there (an origin patch there was
-measured on SmolLM2 after a slide at KL 3.15 against 0.13 without: the first token stops acting
-as the attention sink).
+the window never takes a patch: its canonical KV is exact there (an origin patch there reads far
+worse than none after a slide: the first token stops acting as the attention sink).
 
 The policies read the window's chunk records and call its store access (`_io`), `_hold`
 (canonical KV) and `_earlier_kv`; they are part of the window, split out so that each policy is
@@ -107,8 +106,8 @@ class Refresh(Survive):
     """Survival with a repair: after a change in front of them (a chunk evicted, recalled or
     moved), the survivors near the change are recomputed and the rest keep their KV re-rotated,
     until they are too old. A survivor is recomputed when it starts within `near_tokens` tokens
-    after the first token whose KV changed (the KV a change moves most: on SmolLM2 the first
-    survivor's values after a slide are off by about 37%, the fourth by about 9%), or when
+    after the first token whose KV changed (the KV a change moves most: the first survivors after
+    a slide are off most, later ones less), or when
     `max_age` or more evictions happened since its KV was computed (slides batched: every survivor
     is recomputed once per `max_age` evictions). near_tokens=0 and max_age=None is `Survive`;
     max_age=1 is `Exact`."""
@@ -269,10 +268,8 @@ class OriginEither(PatchPolicy):
 
 # The least key-summary cosine between a chunk's neighbour now and its neighbour at its origin for
 # `origin-similar` to serve the origin patch. Chosen on the validation traces of `agentwin bench
-# fidelity` (docs/results/FIDELITY.md, SmolLM2) from 0.9, 0.95, 0.98, 0.995: at 0.9 two hard cases
-# kept a patch worse than blind reuse behind an unrelated new neighbour; 0.95 to 0.995 tie (none
-# worse, the doc trace's stale patches behind the next page kept) and the lowest serves the patch
-# most often. On the test traces it keeps the video trace's stale patch (KL 1e-4 against 0.018).
+# fidelity` from 0.9, 0.95, 0.98, 0.995 (docs/results/FIDELITY.md): the lowest value that kept no
+# patch worse than blind reuse behind an unrelated new neighbour.
 SIMILAR = 0.95
 
 
@@ -313,9 +310,8 @@ def serves_akin(similarity: float, own: float, threshold: float = SIMILAR) -> bo
 class OriginAkin(OriginSimilar):
     """`origin-similar`, and the origin patch also behind a new neighbour at least as close to
     the old neighbour (key-summary cosine) as the chunk itself is (`serves_akin`). A model's
-    cosines between unrelated texts can sit anywhere: on SmolLM2 above 0.9, on the binding model
-    well below, where a list of other entities scores 0.35-0.95 against the list a patch was
-    fitted after and the patch still helps. The chunk's own cosine with its old neighbour is the
+    cosines between unrelated texts can sit anywhere (high on one model, low on another, where
+    a patch can still help behind a dissimilar list). The chunk's own cosine with its old neighbour is the
     yardstick that moves with the model. No forward: the summaries are kept."""
 
     name = "origin-akin"

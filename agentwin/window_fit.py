@@ -40,19 +40,14 @@ settings (`PatchSettings`):
   (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, √2
   times that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
   reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
-  plain fit at that rank, doubled per rung, `rank_ladder`). On SmolLM2's four hard cases, with
-  each case's bf16 noise floor as the target, the byte ladder met it on the questions at 12-17%
-  of B's fp16 KV bytes, the one-rank ladder at 73-83% (`tools.studies.guard_study`).
+  plain fit at that rank, doubled per rung, `rank_ladder`); the guard study
+  (`python -m tools.studies.guard_study`, docs/results/guard_smollm2.json) measures what each
+  ladder costs.
 
-The defaults are the fit `agentwin bench eval` chose on its validation split at a 6% byte cap
-(`tools.bench.selection.window_default` over `docs/results/eval_binding.json` and
-`eval_smollm2.json`): `kamera-residual-mixed` (fit "residual", storage "auto", which is "mixed"
-under it), with the lowest mean validation rank over the 5 groups (1.4; residual-int8 4.0,
-output-int8 and query-int8 4.2, alloc-int8 and svd-int8 4.4). It tops both binding conditions
-(gap 0.99 / 0.99 on test at 6%); on the SmolLM2 traces its validation KL is 1.1-1.5x the best
-int8 fit's, which went to alloc-int8 (recall), query-int8 (reorder) and svd-int8 (slide). A test
-holds the defaults to that choice. The ranks come from the same function the evaluation fits its
-Kamera methods with, so the window serves the fit that was measured.
+The defaults (fit "residual", storage "auto", which is "mixed" under it) are the fit `agentwin
+bench eval` chose on its validation split at a 6% byte cap; its pages in docs/results/ give the
+figures, and a test holds the defaults to that choice. The ranks come from the same function the
+benchmarks fit their Kamera methods with, so the window serves the fit that was measured.
 """
 
 from __future__ import annotations
@@ -79,14 +74,9 @@ BUDGET = "budget"
 DEFAULT_PATCH_BYTES = 0.06
 AUTO = "auto"
 # guard="auto" (the default) turns the patch guard on below this byte budget (and for rank=N
-# windows, whose share of the bytes depends on the chunk). Measured by `tools.studies.guard_study`
-# on SmolLM2's four hard cases (its budgets are shares of B's KV at fp16: on the float32 model the
-# window's patch_bytes is half of each): without the guard the allocator read worse than blind
-# reuse only at the smallest budget (code, 1.5% of fp16 bytes: 0.051 against 0.042), the output
-# and residual fits at no budget; at this budget (the study's 12%) and above neither did and the guard changed
-# no case's KL, while it costs a
-# document step 20-70% more (`agentwin bench steps` with and without `--guard`, six runs each:
-# 1.9-2.4 s against 2.3-3.2 s).
+# windows, whose share of the bytes depends on the chunk): the guard study found the allocator
+# reading worse than blind reuse only below it, and the guard's extra passes cost every step
+# (docs/results/guard_smollm2.json and docs/results/STEPS_GUARD.md give the figures).
 GUARD_BELOW = DEFAULT_PATCH_BYTES
 
 

@@ -9,8 +9,8 @@ sees no key), computed in one pass over the cached keys and values where they li
   each key and value row is read from memory once, for every query head of its KV head (GQA) and
   every query row together;
 - the segments' visible keys, end to end, are cut into one contiguous part per thread
-  (`torch.get_num_threads()`, OpenMP), whose partial states are merged by log-sum-exp (measured
-  faster on 2 threads than splitting by head: a part streams one contiguous run of the cache);
+  (`torch.get_num_threads()`, OpenMP), whose partial states are merged by log-sum-exp (a part
+  streams one contiguous run of the cache, which splitting by head would not);
 - each segment's query rows are counter-rotated by −shift inside the kernel, from cos/sin rows
   computed here exactly as `relocate.phases(spec, -shift)` computes them (float64 angles, one
   rounding to float32) and cached per (spec, shift), so a decoding step pays no torch op for the

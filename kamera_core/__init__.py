@@ -1,7 +1,8 @@
 """kamera_core: the Kamera operator as pure functions on tensors (no state, models or files).
 
 Layout: token-major `[tokens, num_kv_heads, head_dim]` per layer; MLA `[tokens, kv_lora_rank]`
-and `[tokens, rope_dim]`. See rope.py for the RoPE families and relocate.py for the math.
+and `[tokens, rope_dim]`. See rope.py for the RoPE families, relocate/ for the math of moving
+keys, segment/ for attention over KV read where it lies, backends.py for which implementation runs.
 """
 
 from kamera_core.budget import allocate_ranks, budget_mixed, bytes_per_rank, mixed_bytes

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from kamera_core import cpu_relocate
-from kamera_core.cpu_relocate import rotate_cpu, rotate_cpu_inplace, rotate_cpu_into
+from kamera_core.relocate import cpu as cpu_relocate
+from kamera_core.relocate.cpu import rotate_cpu, rotate_cpu_inplace, rotate_cpu_into
 from kamera_core.relocate import phases, rotate_reference
 from kamera_core.rope import RopeSpec
 

@@ -1,4 +1,4 @@
-"""The CPU segment attention kernel (`kamera_core.cpu_segment`) against `segment_attention_reference`.
+"""The CPU segment attention kernel (`kamera_core.segment.cpu`) against `segment_attention_reference`.
 
 The kernel sums in a different order and pre-scales the query, so results agree to float32
 rounding, not bit for bit: float32 within 1e-5 of the output scale, bfloat16/float16 within 2e-2
@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
-from kamera_core import cpu_segment
-from kamera_core.cpu_segment import kernel_status, segment_attention_cpu
+from kamera_core.segment import cpu as cpu_segment
+from kamera_core.segment.cpu import kernel_status, segment_attention_cpu
 from kamera_core.patch import Factors, LayerPatch, fit, quantize
 from kamera_core.relocate import phases
 from kamera_core.rope import RopeSpec

@@ -10,7 +10,7 @@ import torch
 
 from kamera_core import quant
 from kamera_core.budget import budget_mixed, bytes_per_rank, mixed_bytes
-from kamera_core.cpu_segment import segment_attention_cpu
+from kamera_core.segment.cpu import segment_attention_cpu
 from kamera_core.mixed import mixed_patch, quantisation_errors
 from kamera_core.patch import ChunkPatch, Factors, LayerPatch, build_patch, fit_with_gains, quantize
 from kamera_core.rope import RopeSpec

@@ -3,7 +3,7 @@
 Correctness runs on CPU through the Triton interpreter. `triton.jit` picks interpreted or compiled
 when the kernel module is imported, so those checks run in one child process started with
 TRITON_INTERPRET=1 (this file run as a script); pytest's own process never imports
-kamera_core.kernels, whatever other tests do before or after. A second child, without the
+the Triton kernel modules, whatever other tests do before or after. A second child, without the
 interpreter, compiles the kernel for sm_90 — that needs no GPU and catches code the interpreter
 accepts but the compiler does not. The `gpu` test runs the compiled kernel where CUDA exists.
 """
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from kamera_core import backends
 
 if __package__:  # imported by pytest; run as a script, the child needs no test helpers
     from tests.kernel_children import check_case, run_cases
@@ -96,7 +98,7 @@ def _result(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def _run_kernel_case(case_id: str) -> dict:
     from kamera_core.relocate import phases, rotate_reference
     from kamera_core.rope import RopeSpec
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
     layout, tokens, dtype_name, rank = _parse_case(case_id)
     _, head_dim, rotary_dim, pairing = LAYOUTS[layout]
@@ -127,7 +129,7 @@ def _extra_cases() -> dict[str, object]:
     """
     from kamera_core.relocate import phases, rotate_reference
     from kamera_core.rope import RopeSpec
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
     spec = RopeSpec(inv_freq=_inv_freq(32), head_dim=48, pairing="interleaved")
     cos, sin = phases(spec, -50)
@@ -171,7 +173,7 @@ def _compile_main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kamera_core.kernels.relocate import relocate_kernel
+    from kamera_core.relocate.triton_kernel import relocate_kernel
 
     variants = [
         # (key dtype, head_dim, half, interleaved, has_patch, compute)
@@ -206,9 +208,9 @@ def _compile_main() -> None:
         case_id = f"compile-{key_ty}-{head_dim}-{half}-{interleaved}-{has_patch}"
         print(json.dumps({"id": case_id, "cubin_bytes": len(compiled.asm["cubin"])}))
 
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
-    os.environ["TRITON_INTERPRET"] = "1"  # too late: the kernel above was decorated compiled
+    os.environ["TRITON_INTERPRET"] = "1"  # too late: kamera_core read the environment when imported above
     try:
         rotate_triton(torch.zeros(2, 8), torch.ones(4), torch.zeros(4), "half")
         message = ""
@@ -270,7 +272,7 @@ def test_kernel_compiles_for_sm90_without_gpu(compile_results: dict) -> None:
 
 def test_cpu_launch_after_compiled_import_is_refused(compile_results: dict) -> None:
     assert "__crash__" not in compile_results, compile_results["__crash__"]["error"]
-    assert "imported before" in compile_results["late-interpret"]["message"]
+    assert "before kamera_core is imported" in compile_results["late-interpret"]["message"]
 
 
 # Validation happens before Triton is imported, so these run in pytest's own process.
@@ -281,9 +283,9 @@ def _phases(half: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backends, "INTERPRET", False)  # as if TRITON_INTERPRET were unset at import
     with pytest.raises(ValueError, match="backend='torch'"):
         rotate_triton(torch.zeros(3, 2, 64), *_phases(), "half")
 
@@ -304,7 +306,7 @@ def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
     cos, sin = _phases()
     args = {"keys": torch.zeros(3, 2, 64), "cos": cos, "sin": sin, "pairing": "half"} | kwargs
@@ -313,9 +315,9 @@ def test_bad_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
 
 
 def test_missing_triton_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends, "INTERPRET", True)  # as if TRITON_INTERPRET=1 at import
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
     with pytest.raises(ImportError, match="backend='torch'"):
         rotate_triton(torch.zeros(3, 2, 64), *_phases(), "half")
@@ -327,7 +329,7 @@ def test_kernel_on_cuda() -> None:
         pytest.skip("needs a CUDA GPU; the interpreter tests cover correctness on CPU")
     from kamera_core.relocate import phases, rotate_reference
     from kamera_core.rope import RopeSpec
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
     cases = [
         ("mha", "bfloat16", 0),

@@ -3,7 +3,7 @@
 Correctness runs on CPU through the Triton interpreter. `triton.jit` picks interpreted or compiled
 when the kernel module is imported, so those checks run in one child process started with
 TRITON_INTERPRET=1 (this file run as a script); pytest's own process never imports
-kamera_core.kernels. A second child, without the interpreter, compiles kernel variants for sm_90
+the Triton kernel modules. A second child, without the interpreter, compiles kernel variants for sm_90
 (no GPU needed): that catches code the interpreter accepts but the compiler does not, and checks
 that key rows load as 16-byte vectors. The `gpu` test runs the compiled kernel where CUDA exists.
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from kamera_core import backends
 
 if __package__:  # imported by pytest; run as a script, the child needs no test helpers
     from tests.kernel_children import check_case, run_cases
@@ -114,7 +116,7 @@ def _result(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def _run_case(name: str) -> dict:
     from kamera_core.segment import segment_attention_reference
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     case = CASES[name]
     query, query_index, segments, spec, scaling = make_inputs(case)
@@ -128,7 +130,7 @@ def _extra_cases() -> dict:
     """Segments as strided views of one cache (no copy), a feature-strided segment (copied), and
     `segment_attention(backend="triton")`. Each value is a thunk returning `_result`."""
     from kamera_core.segment import Segment, segment_attention, segment_attention_reference
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     gen = torch.Generator().manual_seed(5)
     spec = _spec("half")
@@ -180,7 +182,7 @@ def _compile_main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kamera_core.kernels.segment import segment_attention_kernel, segment_merge_kernel
+    from kamera_core.segment.triton_kernel import segment_attention_kernel, segment_merge_kernel
 
     names = segment_attention_kernel.arg_names
     types = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -214,9 +216,9 @@ def _compile_main() -> None:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     print(json.dumps({"id": "merge-compiled", "cubin_bytes": len(compiled.asm["cubin"])}))
 
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
-    os.environ["TRITON_INTERPRET"] = "1"  # too late: the kernel above was decorated compiled
+    os.environ["TRITON_INTERPRET"] = "1"  # too late: kamera_core read the environment when imported above
     query, query_index, segments, spec, scaling = make_inputs(CASES["gqa-tq1-bf16-partial-rotary"])
     try:
         segment_attention_triton(query, query_index, segments, spec, scaling)
@@ -276,11 +278,11 @@ def test_kernel_compiles_for_sm90_without_gpu(compile_results: dict) -> None:
 
 def test_cpu_launch_after_compiled_import_is_refused(compile_results: dict) -> None:
     assert "__crash__" not in compile_results, compile_results["__crash__"]["error"]
-    assert "imported before" in compile_results["late-interpret"]["message"]
+    assert "before kamera_core is imported" in compile_results["late-interpret"]["message"]
 
 
 def test_plan_pieces_covers_every_key_once() -> None:
-    from kamera_core.triton_segment import plan_pieces
+    from kamera_core.segment.triton_launch import plan_pieces
 
     lengths = [7, 19, 1, 40]
     for splits in (1, 2, 3, 5, 100):
@@ -302,18 +304,18 @@ def _inputs(**changes):
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backends, "INTERPRET", False)  # as if TRITON_INTERPRET were unset at import
     with pytest.raises(ValueError, match="backend='torch'"):
         segment_attention_triton(**_inputs())
 
 
 def test_bad_arguments_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from kamera_core.segment import Segment
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backends, "INTERPRET", False)  # as if TRITON_INTERPRET were unset at import
     args = _inputs()
     query, segments = args["query"], args["segments"]
     with pytest.raises(TypeError, match="float64"):
@@ -333,9 +335,9 @@ def test_bad_arguments_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_triton_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends, "INTERPRET", True)  # as if TRITON_INTERPRET=1 at import
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
     with pytest.raises(ImportError, match="backend='torch'"):
         segment_attention_triton(**_inputs())
@@ -359,7 +361,7 @@ def test_kernel_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; the interpreter tests cover correctness on CPU")
     from kamera_core.segment import segment_attention_reference
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     for name in ("gqa-tq3-fp32-three-segs-patched", "mha-tq1-bf16-decode-future-seg", "gqa-tq3-bf16-window-cuts-seg",
                  "gqa-tq1-fp32-softcap-window", "gqa-tq3-fp16-half-dot"):

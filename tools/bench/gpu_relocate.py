@@ -31,7 +31,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Times copy, torch path and kernel on `device` (a CUDA device); returns the JSON record."""
     from kamera_core.relocate import phases, rotate_reference
     from kamera_core.rope import RopeSpec
-    from kamera_core.triton_relocate import rotate_triton
+    from kamera_core.relocate.triton_launch import rotate_triton
 
     rows = args.layers * args.tokens
     exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim

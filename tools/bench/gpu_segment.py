@@ -149,7 +149,7 @@ def check_cases(args: argparse.Namespace) -> list[dict]:
 
 def run_checks(args: argparse.Namespace, device: torch.device, spec) -> list[dict]:
     from kamera_core.segment import segment_attention_reference
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     records = []
     for n, case in enumerate(check_cases(args)):
@@ -179,7 +179,7 @@ def run_timings(args: argparse.Namespace, device: torch.device, spec) -> list[di
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     flash = _flash_attn() if device.type == "cuda" else None
     dtype = torch.bfloat16
@@ -242,7 +242,7 @@ def run_tuning(args: argparse.Namespace, device: torch.device, spec) -> list[dic
     num_warps for each Tq, and the split count around its default for decode."""
     from triton.runtime.errors import OutOfResources
 
-    from kamera_core.triton_segment import segment_attention_triton
+    from kamera_core.segment.triton_launch import segment_attention_triton
 
     num_keys, segs = ints(args.keys)[-1], ints(args.segments)
     num_segments = segs[len(segs) // 2]

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from kamera_core import cpu_relocate
+from kamera_core.relocate import cpu as cpu_relocate
 from kamera_core.relocate import phases, rotate_reference
 from kamera_core.rope import RopeSpec, rope_specs
 

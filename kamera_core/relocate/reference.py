@@ -1,4 +1,4 @@
-"""Exact relocation of cached keys by a RoPE position shift.
+"""Exact relocation of cached keys by a RoPE position shift: the contract and the torch reference.
 
 A key cached at position p is R(p)·k. Moving it to p + δ multiplies it by R(δ): one rotation per
 frequency pair, the same for every token. So a chunk's keys move between its chunk-local frame
@@ -19,14 +19,10 @@ Layouts (token-major, as everywhere in kamera_core):
 from __future__ import annotations
 
 import operator
-import os
-from typing import Literal
 
 import torch
 
 from kamera_core.rope import RopeSpec
-
-Backend = Literal["auto", "torch", "cpu", "triton"]
 
 
 def _as_shift(delta: object) -> int:
@@ -88,7 +84,7 @@ def rotate_reference(
     return rotated.to(keys.dtype)
 
 
-def _check_keys(keys: torch.Tensor, spec: RopeSpec, what: str = "keys") -> None:
+def check_keys(keys: torch.Tensor, spec: RopeSpec, what: str = "keys") -> None:
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(keys).__name__}")
     if not keys.is_floating_point():
@@ -100,7 +96,7 @@ def _check_keys(keys: torch.Tensor, spec: RopeSpec, what: str = "keys") -> None:
         )
 
 
-def _check_patch(keys: torch.Tensor, patch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def check_patch(keys: torch.Tensor, patch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         u, vt = patch
     except (TypeError, ValueError):
@@ -112,73 +108,3 @@ def _check_patch(keys: torch.Tensor, patch: tuple[torch.Tensor, torch.Tensor]) -
             f"patch vt must be [rank={u.shape[1]}, *{tuple(keys.shape[1:])}], got {tuple(vt.shape)}"
         )
     return u, vt
-
-
-def _pick_backend(keys: torch.Tensor, backend: Backend) -> str:
-    """auto: the Triton kernel for accelerator tensors (or under the Triton interpreter), the
-    one-pass CPU kernel otherwise (it falls back to the torch path where it cannot be built)."""
-    if backend not in ("auto", "torch", "cpu", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
-    if backend != "auto":
-        return backend
-    if keys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return "triton"
-    return "cpu" if keys.device.type == "cpu" else "torch"
-
-
-def relocate_keys(
-    keys: torch.Tensor,
-    spec: RopeSpec,
-    delta: int,
-    patch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    backend: Backend = "auto",
-) -> torch.Tensor:
-    """Keys cached at positions p… returned as if cached at p + δ, optionally with a patch added.
-
-    keys: `[tokens, *rest, head_dim]`, any float dtype. patch: `(u [tokens, rank],
-    vt [rank, *rest, head_dim])` expressed in the same frame as `keys`; the result is
-    `R(δ)·(keys + u·vt) = R(δ)·keys + u·(R(δ)·vt)`. Returns a new tensor of keys' dtype.
-    backend: "auto" (Triton on CUDA, the one-pass C kernel on CPU), "torch" (the plain
-    reference), "cpu" or "triton" to force one; every backend gives the reference's values.
-    """
-    _check_keys(keys, spec)
-    chosen = _pick_backend(keys, backend)
-    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    cos, sin = phases(spec, delta, compute)
-    u = vt = None
-    if patch is not None:
-        u, vt = _check_patch(keys, patch)
-        vt = rotate_reference(vt, cos, sin, spec.pairing)
-    if chosen == "triton":
-        from kamera_core.triton_relocate import rotate_triton
-
-        return rotate_triton(keys, cos, sin, spec.pairing, u, vt)
-    if chosen == "cpu":
-        from kamera_core.cpu_relocate import rotate_cpu
-
-        return rotate_cpu(keys, cos, sin, spec.pairing, u, vt)
-    return rotate_reference(keys, cos, sin, spec.pairing, u, vt)
-
-
-def relocate_mla(
-    c_kv: torch.Tensor, k_rope: torch.Tensor, spec: RopeSpec, delta: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA relocation: c_KV `[tokens, kv_lora_rank]` is returned as is (the same tensor, bytes
-    untouched); k_rope `[tokens, rope_dim]` is rotated by δ."""
-    if not isinstance(c_kv, torch.Tensor):
-        raise TypeError(f"c_kv must be a torch.Tensor, got {type(c_kv).__name__}")
-    _check_keys(k_rope, spec, "k_rope")
-    if c_kv.shape[:-1] != k_rope.shape[:-1]:
-        raise ValueError(f"c_kv {tuple(c_kv.shape)} and k_rope {tuple(k_rope.shape)} disagree on tokens")
-    return c_kv, relocate_keys(k_rope, spec, delta)
-
-
-def relocate_patch(
-    u: torch.Tensor, vt: torch.Tensor, spec: RopeSpec, delta: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A key patch U·Vᵀ moved by δ: only vt `[rank, *rest, head_dim]` rotates; u is returned as is.
-
-    Value patches do not move (values carry no position) and MLA's c_KV patch does not either.
-    """
-    _check_keys(vt, spec, "vt")
-    return u, relocate_keys(vt, spec, delta)

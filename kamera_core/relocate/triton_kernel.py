@@ -1,6 +1,6 @@
 """Fused relocate kernel: `out = R(δ)·K + U·Vᵀ` over rows of `HEAD_DIM` values.
 
-Only `@triton.jit` code lives here; `kamera_core.triton_relocate.rotate_triton` validates, lays out
+Only `@triton.jit` code lives here; `kamera_core.relocate.triton_launch.rotate_triton` validates, lays out
 and launches. Whether the kernel is compiled or interpreted is decided by `triton.jit` when this
 module is imported, so TRITON_INTERPRET=1 must be set before then to run on CPU tensors.
 

@@ -3,7 +3,7 @@
 `segment_attention_cpu` returns what `kamera_core.segment.segment_attention_reference` returns
 (same arguments, same validation by `check_segments`, the same ValueError for a query row that
 sees no key), computed in one pass over the cached keys and values where they lie
-(`kernels/cpu_segment.c`):
+(`cpu_segment.c`):
 
 - one online softmax (running max and sum, base 2) per (query row, head) across all segments, so
   each key and value row is read from memory once, for every query head of its KV head (GQA) and
@@ -29,7 +29,7 @@ the CPU, segments that differ in Hkv or Dv, and where the kernel cannot be built
 or `KAMERA_CPU_KERNEL=0`; a build failure warns once). Results agree with the reference to
 float32 rounding (a few 1e-7 relative), not bit for bit: the kernel pre-scales the query and sums
 in another order. Rows whose scores are NaN come out NaN (the reference returns zeros there).
-The build is cached like `kamera_core.cpu_relocate`'s, whose machinery this module uses;
+The build is cached like `kamera_core.relocate.cpu`'s, whose machinery this module uses;
 `kernel_status()` says which path is in use.
 """
 
@@ -42,14 +42,14 @@ from typing import Sequence
 
 import torch
 
-from kamera_core.cpu_relocate import LazyKernel, _load_library
+from kamera_core.relocate.cpu import LazyKernel, _load_library
 from kamera_core.patch import Factors
 from kamera_core.rope import RopeSpec
-from kamera_core.segment import Segment, check_segments, segment_attention_reference
+from kamera_core.segment.reference import Segment, check_segments, segment_attention_reference
 
 Tensor = torch.Tensor
 
-_C_SOURCE = (Path(__file__).parent / "kernels" / "cpu_segment.c").read_text(encoding="utf-8")
+_C_SOURCE = (Path(__file__).parent / "cpu_segment.c").read_text(encoding="utf-8")
 _ABI = 1
 _NFIELDS = 15  # int64 fields per segment record, in the C enum's order
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -214,7 +214,7 @@ def segment_attention_cpu(query: Tensor, query_index: Tensor, segments: Sequence
     )
     del keep  # the kernel has returned: the tensors it read may go
     if unseen < 0:
-        raise MemoryError("kamera_core.cpu_segment: the kernel could not allocate its work buffers")
+        raise MemoryError("kamera_core.segment.cpu: the kernel could not allocate its work buffers")
     if unseen:
         raise ValueError("a query row sees no key (every key is masked): the query rows must follow their own keys")
     return out if query.dtype == torch.float32 else out.to(query.dtype)

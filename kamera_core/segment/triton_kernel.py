@@ -1,6 +1,6 @@
 """Segment attention kernels: one online softmax over keys that stay where they lie.
 
-Only `@triton.jit` code lives here; `kamera_core.triton_segment.segment_attention_triton`
+Only `@triton.jit` code lives here; `kamera_core.segment.triton_launch.segment_attention_triton`
 validates, builds the segment table and launches. Whether the kernels are compiled or interpreted
 is decided by `triton.jit` when this module is imported, so TRITON_INTERPRET=1 must be set before
 then to run on CPU tensors.

@@ -1,7 +1,7 @@
 """Launcher of the fused Triton relocate `out = R(δ)·K + U·Vᵀ`.
 
 `rotate_triton` has exactly the meaning, argument shapes and result of
-`kamera_core.relocate.rotate_reference`; the kernel itself is `kamera_core.kernels.relocate`.
+`kamera_core.relocate.rotate_reference`; the kernel itself is `kamera_core.relocate.triton_kernel`.
 
 Triton is optional (`pip install triton`, or the `kernels` extra): it is imported only when a
 launch is asked for. CUDA tensors run the compiled kernel. CPU tensors can only run under the
@@ -12,10 +12,11 @@ TRITON_INTERPRET=1 must be in the environment before that import; otherwise use 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import torch
+
+from kamera_core import backends
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -26,16 +27,12 @@ _TILE_ELEMENTS = 2048
 _MAX_BLOCK_ROWS = 64
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _load_kernel() -> tuple[Any, Any]:
     """(relocate_kernel, triton.language), or an ImportError telling how to get Triton."""
     try:
         import triton.language as tl
 
-        from kamera_core.kernels.relocate import relocate_kernel
+        from kamera_core.relocate.triton_kernel import relocate_kernel
     except ImportError as err:
         if err.name is None or not err.name.startswith("triton"):
             raise
@@ -52,7 +49,7 @@ def _check_interpreted(kernel: Any) -> None:
 
     if not isinstance(kernel, InterpretedFunction):
         raise ValueError(
-            "keys are on the CPU and TRITON_INTERPRET=1 is set, but kamera_core.kernels.relocate was "
+            "keys are on the CPU and TRITON_INTERPRET=1 is set, but kamera_core.relocate.triton_kernel was "
             "imported before it was set, so the kernel is compiled for a GPU; set TRITON_INTERPRET=1 "
             "before the first import (e.g. in the environment of the process), or use backend='torch'"
         )
@@ -82,10 +79,10 @@ def _check_device(keys: torch.Tensor) -> None:
             "the Triton relocate runs on CUDA tensors (or CPU ones under the interpreter); "
             f"keys are on {keys.device}"
         )
-    if not _interpreting():
+    if not backends.interpreting():
         raise ValueError(
             "keys are on the CPU: the Triton kernel runs there only under the Triton interpreter "
-            "(TRITON_INTERPRET=1 set before kamera_core.kernels is imported); use backend='torch' on CPU"
+            "(TRITON_INTERPRET=1 in the environment before kamera_core is imported: it is read once, then); use backend='torch' on CPU"
         )
 
 

@@ -1,4 +1,4 @@
-/* Segment attention for few query rows on CPU, loaded by kamera_core/cpu_segment.py via ctypes.
+/* Segment attention for few query rows on CPU, loaded by kamera_core/segment/cpu.py via ctypes.
 
    out[i, h] = softmax over every visible key of every segment, read where the keys lie. One
    online softmax (running max m, running sum l, running output acc, in base 2) per (head, query

@@ -1,4 +1,4 @@
-"""Launcher of the Triton segment attention (`kamera_core.kernels.segment`).
+"""Launcher of the Triton segment attention (`kamera_core.segment.triton_kernel`).
 
 `segment_attention_triton` has exactly the meaning, arguments and result of
 `kamera_core.segment.segment_attention_reference`: attention of query rows over cached segments
@@ -39,21 +39,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kamera_core import backends
 from kamera_core.patch import Factors
 from kamera_core.rope import RopeSpec
-from kamera_core.segment import Segment, check_segments
+from kamera_core.segment.reference import Segment, check_segments
 
 Tensor = torch.Tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FIELDS = 16  # int64 fields per table row; order as kamera_core.kernels.segment.F_*
+FIELDS = 16  # int64 fields per table row; order as kamera_core.segment.triton_kernel.F_*
 _MAX_BLOCK_M = 64
 _MIN_DOT = 16  # tl.dot needs every dim >= 16
 # Split-K: aim for this many programs per streaming multiprocessor, and give every split at
@@ -64,17 +64,13 @@ _MAX_SPLITS = 128
 _MERGE_ROWS = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _load_kernels() -> tuple[Any, Any, Any]:
     """(segment_attention_kernel, segment_merge_kernel, triton.language), or an ImportError
     telling how to get Triton."""
     try:
         import triton.language as tl
 
-        from kamera_core.kernels.segment import segment_attention_kernel, segment_merge_kernel
+        from kamera_core.segment.triton_kernel import segment_attention_kernel, segment_merge_kernel
     except ImportError as err:
         if err.name is None or not err.name.startswith("triton"):
             raise
@@ -93,7 +89,7 @@ def _check_mode(kernel: Any, on_cuda: bool) -> None:
     interpreted = isinstance(kernel, InterpretedFunction)
     if not on_cuda and not interpreted:
         raise ValueError(
-            "the query is on the CPU and TRITON_INTERPRET=1 is set, but kamera_core.kernels.segment was "
+            "the query is on the CPU and TRITON_INTERPRET=1 is set, but kamera_core.segment.triton_kernel was "
             "imported before it was set, so the kernel is compiled for a GPU; set TRITON_INTERPRET=1 "
             "before the first import (e.g. in the environment of the process), or use backend='torch'"
         )
@@ -113,10 +109,10 @@ def _check_device(query: Tensor) -> None:
             f"the Triton segment attention runs on CUDA tensors (or CPU ones under the interpreter); "
             f"the query is on {query.device}"
         )
-    if not _interpreting():
+    if not backends.interpreting():
         raise ValueError(
             "the query is on the CPU: the Triton kernel runs there only under the Triton interpreter "
-            "(TRITON_INTERPRET=1 set before kamera_core.kernels is imported); use backend='torch' or 'cpu' on CPU"
+            "(TRITON_INTERPRET=1 in the environment before kamera_core is imported: it is read once, then); use backend='torch' or 'cpu' on CPU"
         )
 
 

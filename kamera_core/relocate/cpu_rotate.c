@@ -1,4 +1,4 @@
-/* One-pass CPU relocate: out = R·keys (+ delta), loaded by kamera_core/cpu_relocate.py via ctypes. */
+/* One-pass CPU relocate: out = R·keys (+ delta), loaded by kamera_core/relocate/cpu.py via ctypes. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)

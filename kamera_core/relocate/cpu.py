@@ -44,12 +44,12 @@ from typing import Callable, Generic, TypeVar
 
 import torch
 
-from kamera_core.relocate import rotate_reference
+from kamera_core.relocate.reference import rotate_reference
 
 # Out-of-place results at least this large are written with non-temporal stores.
 STREAM_MIN_BYTES = 1 << 20
 
-_C_SOURCE = (Path(__file__).parent / "kernels" / "cpu_rotate.c").read_text(encoding="utf-8")
+_C_SOURCE = (Path(__file__).parent / "cpu_rotate.c").read_text(encoding="utf-8")
 
 # Flag sets tried in order; the first that builds is used.
 _BASE_FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")

@@ -37,7 +37,7 @@ read in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -47,8 +47,27 @@ from agentwin.window_fit import budget_bytes, fit_patch, layer_ranks, one_rank_s
 from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 
-if TYPE_CHECKING:  # pragma: no cover
-    from agentwin.window import Window
+
+class Window(Protocol):
+    """What a placement policy reads and calls of the window it serves (`agentwin.window.Window`
+    passes itself): the model, the patch settings, the chunk records and their order, the store
+    access, the canonical KV of a chunk, the forward counts. Declared here so that this module
+    never imports the window's."""
+
+    km: Any
+    rank: int | str | None
+    storage: str
+    _chunks: dict
+    _order: list
+    _io: Any
+    _stats: Any
+    _changed_at: int | None
+
+    def _keys(self, order: Sequence) -> tuple: ...
+    def _hold(self, chunk: Any) -> list[LayerKV]: ...
+    def _earlier_kv(self, chunk: Any) -> tuple[list[LayerKV], int] | None: ...
+    def _summary(self, chunk: Any) -> torch.Tensor: ...
+
 
 DEFAULT_POLICY = "exact"
 # The patch policy the patch studies and `agentwin bench fidelity` take when none is named: chosen
@@ -387,22 +406,3 @@ POLICY_TYPES = {p.name: p for p in (Exact, Survive, Refresh, Blind, Origin, Orbi
                                      OriginEither, OriginSimilar, OriginAkin)}
 POLICIES = tuple(POLICY_TYPES)
 PATCH_POLICIES = tuple(name for name, p in POLICY_TYPES.items() if issubclass(p, PatchPolicy))  # canonical KV + patch
-
-
-def eviction_plan(order: Sequence, sizes: dict, pinned: set, used: dict, eviction: str, excess: int,
-                  incoming: int, budget: int) -> list:
-    """Chunks to evict, unpinned, first in window order ("fifo") or least recently used first
-    ("lru": `used` maps a chunk to the tick of its last use), until `excess` tokens are freed.
-    ValueError, with nothing changed, when the pinned chunks leave too little room."""
-    victims = []
-    candidates = order if eviction == "fifo" else sorted(order, key=lambda c: used.get(c, 0))
-    for cid in candidates:
-        if excess <= 0:
-            break
-        if cid not in pinned:
-            victims.append(cid)
-            excess -= sizes[cid]
-    if excess > 0:
-        raise ValueError(f"no room for {incoming} more tokens within budget_tokens={budget}: "
-                         "the pinned chunks take the rest; unpin one or raise the budget")
-    return victims

@@ -45,7 +45,8 @@ from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa:
 from agentwin.models.adapter import ChunkInput, KameraModel
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import TextChunk
-from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Approx, Exact, eviction_plan
+from agentwin.eviction import make_eviction
+from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Approx, Exact
 from agentwin.prefix import Piece, PrefixIndex, placement_key, root_key
 from agentwin.store import ChunkKey, ChunkStore
 from agentwin.window_chunk import (ChunkId, ChunkRecord, Held, Placement, check_invariants, held_bytes, key_summary,
@@ -57,7 +58,6 @@ from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 from kamera_core.segment import Segment
 
-EVICTION = ("fifo", "lru")
 LEASE_TTL_S = 60.0  # a lease on computing a placement: longer than any one read's forwards
 LEASE_POLL_S = 0.02
 Layers = list[list[Segment]]  # per decoder layer, the segments read so far
@@ -98,8 +98,7 @@ class Window:
             raise ValueError(f"{', '.join(given)} set(s) the patches of a patch policy, and patch={patch!r} fits none; "
                              f"pass patch='origin-akin' (or another patch policy: {', '.join(PATCH_POLICIES)}) "
                              "to use them")
-        if evict not in EVICTION:
-            raise ValueError(f"evict must be one of {EVICTION}, got {evict!r}")
+        eviction = make_eviction(evict)  # ValueError names the choices
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
         if store is not None and not isinstance(store, ChunkStore):
@@ -112,8 +111,7 @@ class Window:
         self.rank, self.patch_bytes, self.storage = settings.rank, settings.patch_bytes, settings.storage
         self.guard, self.max_kl, self.fit = settings.guard, settings.max_kl, settings.fit
         self.eviction = evict
-        self._used: dict[ChunkId, int] = {}  # chunk -> tick of its last append / recall / touch
-        self._tick = 0
+        self._eviction = eviction  # which unpinned chunks the budget drops first (agentwin.eviction)
         self._depth = 0  # nesting of timed public operations
         self._chunks: dict[ChunkId, ChunkRecord] = {}
         self._order: list[ChunkId] = []
@@ -179,7 +177,7 @@ class Window:
         self._io.spill_pixels(chunk)
         self._order.pop(index)
         self._pinned.discard(chunk_id)
-        self._used.pop(chunk_id, None)
+        self._eviction.left(chunk_id)
         self._stats.evictions += 1
 
     @timed
@@ -473,14 +471,12 @@ class Window:
         return ids
 
     def _touch(self, chunk_id: ChunkId) -> None:
-        self._tick += 1
-        self._used[chunk_id] = self._tick
+        self._eviction.used(chunk_id)
 
     def _slide_plan(self, incoming: int) -> list[ChunkId]:
-        """Chunks to evict so that `incoming` more tokens fit (`agentwin.policies.eviction_plan`)."""
+        """Chunks to evict so that `incoming` more tokens fit (the eviction policy's plan)."""
         sizes = {c: int(self._chunks[c].ids.numel()) for c in self._order}
-        return eviction_plan(self._order, sizes, self._pinned, self._used, self.eviction,
-                             self.tokens() + incoming - self.budget_tokens, incoming, self.budget_tokens)
+        return self._eviction.plan(self._order, sizes, self._pinned, incoming, self.budget_tokens)
 
     def _span(self, order: Sequence[ChunkId]) -> int:
         """Position units taken by `order` (where the next chunk or the query starts)."""

@@ -78,3 +78,81 @@ def test_the_rules_see_the_imports():
     assert any(m == "agentwin.models.adapter" and "KameraModel" in n for m, n, _ in found)
     assert len(_sources()) > 50
     assert any(m == "argparse" for m, _, _ in _imports(ROOT / "tools" / "batch_cli.py"))
+
+
+PRODUCT = ("kamera_core", "agentwin", "agents")
+
+
+def _module_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """File-level imports among the modules of `packages`: module -> the modules it imports
+    (`from pkg import mod` names the module, `from pkg.mod import name` the module; lazy imports
+    inside functions and TYPE_CHECKING blocks count too)."""
+    modules = {}
+    for pkg in packages:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names, _ in _imports(path):
+            if not names:  # `import a.b.c`: the longest prefix that is one of ours
+                while module and module not in modules:
+                    module = module.rpartition(".")[0]
+                targets.add(module)
+            for n in names:
+                targets.add(f"{module}.{n}" if f"{module}.{n}" in modules else module)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_in_the_product():
+    """No module of kamera_core, agentwin or agents imports, directly or through others, a module
+    that imports it back (lazy and type-checking imports included)."""
+    assert _cycles(_module_graph(PRODUCT)) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = _module_graph(PRODUCT)
+    assert "agentwin.window" in graph and "agentwin.policies" in graph["agentwin.window"]
+    looped = {**graph, "agentwin.policies": graph["agentwin.policies"] | {"agentwin.window"}}
+    assert ["agentwin.policies", "agentwin.window"] in _cycles(looped)
+

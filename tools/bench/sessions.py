@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from agentwin.chat import Chat
 from tools.bench.trace import Trace
-from agentwin.policies import eviction_plan
+from agentwin.eviction import Fifo
 
 KINDS = ("notes", "doc", "web", "video", "thread")
 VALIDATION_SEEDS = (0,)
@@ -229,8 +229,7 @@ def make_session(kind: str, seed: int, km: Any, reads: int = READS, chat: Chat |
     step = 0
 
     def make_room(incoming: int) -> None:
-        victims = eviction_plan(order, sizes, {0}, {}, "fifo", sum(sizes[c] for c in order) + incoming - budget,
-                                incoming, budget)
+        victims = Fifo().plan(order, sizes, {0}, incoming, budget)
         for victim in victims:
             slots[victim] = order.index(victim)
             order.remove(victim)

@@ -1,0 +1,75 @@
+"""Which unpinned chunks the window's budget drops first: the eviction policy, one small interface.
+
+The window tells its policy when a chunk is used (appended, recalled, touched) and when it leaves,
+and asks it for victims when more tokens must fit. `Fifo` drops the first chunks in window order;
+`Lru` the least recently used. Pinned chunks are never chosen. An agent that keeps what its task
+needs (`agents.loop.AgentLoop(keep_relevant=True)`) touches those chunks before a step, so LRU
+keeps them.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Sequence
+
+
+class Fifo:
+    """Oldest in window order first."""
+
+    name = "fifo"
+
+    def used(self, chunk: Hashable) -> None:
+        """A chunk was appended, recalled or touched (FIFO ignores it)."""
+
+    def left(self, chunk: Hashable) -> None:
+        """A chunk left the window."""
+
+    def ranked(self, order: Sequence[Hashable]) -> list[Hashable]:
+        """The window's chunks, first to go first."""
+        return list(order)
+
+    def plan(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int], pinned: set, incoming: int,
+             budget: int) -> list[Hashable]:
+        """Chunks to evict, unpinned, in `ranked` order, until `incoming` more tokens fit within
+        `budget`. ValueError, with nothing changed, when the pinned chunks leave too little room."""
+        excess = sum(sizes[c] for c in order) + incoming - budget
+        victims = []
+        for chunk in self.ranked(order):
+            if excess <= 0:
+                break
+            if chunk not in pinned:
+                victims.append(chunk)
+                excess -= sizes[chunk]
+        if excess > 0:
+            raise ValueError(f"no room for {incoming} more tokens within budget_tokens={budget}: "
+                             "the pinned chunks take the rest; unpin one or raise the budget")
+        return victims
+
+
+class Lru(Fifo):
+    """Least recently used first (appended, recalled or touched)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._tick = 0
+        self._used: dict[Hashable, int] = {}  # chunk -> tick of its last use
+
+    def used(self, chunk: Hashable) -> None:
+        self._tick += 1
+        self._used[chunk] = self._tick
+
+    def left(self, chunk: Hashable) -> None:
+        self._used.pop(chunk, None)
+
+    def ranked(self, order: Sequence[Hashable]) -> list[Hashable]:
+        return sorted(order, key=lambda c: self._used.get(c, 0))
+
+
+EVICTIONS = {"fifo": Fifo, "lru": Lru}
+
+
+def make_eviction(name: str) -> Fifo:
+    """The eviction policy `name` ("fifo" or "lru"); ValueError names the choices."""
+    if name not in EVICTIONS:
+        raise ValueError(f"evict must be one of {tuple(EVICTIONS)}, got {name!r}")
+    return EVICTIONS[name]()

@@ -14,7 +14,9 @@ from agentwin.store.keys import ChunkKey, Digest, patch_key
 from agentwin.store.lease import Lease, Resolved
 from agentwin.store.remote import RedisTier, RemoteStats, RemoteWarning
 from agentwin.store.serial import kv_to_tensors, patch_to_tensors, tensors_to_kv, tensors_to_patch
-from agentwin.store.store import ChunkStore, StoreStats, open_store
+from agentwin.store.open import open_store
+from agentwin.store.stats import StoreStats
+from agentwin.store.store import ChunkStore
 from agentwin.store.tiers import CorruptEntryWarning
 
 __all__ = [

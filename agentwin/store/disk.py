@@ -32,7 +32,6 @@ import mmap
 import os
 import re
 import secrets
-import socket
 import time
 import warnings
 from collections import OrderedDict
@@ -44,7 +43,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from agentwin.store.tiers import CorruptEntryWarning
+from agentwin.store.tiers import DTYPES, CorruptEntryWarning
 
 FORMAT = "agentwin.store/1"
 LEASE_FORMAT = "agentwin.store.lease/1"
@@ -55,9 +54,6 @@ _SIDECAR = re.compile(r"([0-9a-f]{64})\.json")
 _DATA = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{16})\.safetensors")
 _LEASE = re.compile(r"([0-9a-f]{64})\.lease")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,13 +56,15 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def check_seconds(value: object, what: str, allow_none: bool = False) -> float | None:
+def check_seconds(value: object, what: str, allow_none: bool = False, allow_zero: bool = False) -> float | None:
+    """`value` as float seconds: a finite number > 0 (>= 0 with `allow_zero`; None passes with
+    `allow_none`); TypeError for another type, ValueError for a number out of range."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not (0 < value < float("inf")):
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    if not ((0 <= value if allow_zero else 0 < value) and value < float("inf")):
+        raise ValueError(f"{what} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return float(value)
 
 

@@ -42,94 +42,37 @@ import hashlib
 import hmac
 import json
 import logging
-import math
-import re
 import secrets
-import struct
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import safetensors
 import safetensors.torch
 import torch
 
-from agentwin.store.disk import DTYPES
 from agentwin.store.remote_client import check_url, cluster_client, is_cluster, plain_client, safe_url
+from agentwin.store.lease import check_seconds
+from agentwin.store.manifest import FORMAT, Manifest, canonical, field, parse_manifest
+from agentwin.store.stats import RemoteStats, RemoteWarning
 from agentwin.store.tiers import CorruptEntryWarning, Entry
 
 __all__ = ["FORMAT", "ORPHAN_TTL_S", "PART_BYTES", "RedisTier", "RemoteStats", "RemoteWarning", "check_url", "safe_url"]
 
-FORMAT = "agentwin.store.remote/1"
 PART_BYTES = 8 << 20
 MAX_PART_BYTES = 256 << 20  # well under Redis's proto-max-bulk-len (512 MiB)
 ORPHAN_TTL_S = 600.0
 _MAC_DOMAIN = b"agentwin.store.remote.mac/1"
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_TOKEN = re.compile(r"[0-9a-f]{16}")
 _log = logging.getLogger(__name__)
 # Deletes the lease only while it still holds the caller's token (a lapsed lease may be another's).
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _WHY = {"corrupt": "a part missing or cut short, or its checksum, parse or tensor specs failed",
         "rejected": "its manifest names another model fingerprint or tenant, or has no valid MAC"}
-_MANIFEST_FIELDS = frozenset({"format", "digest", "model_fingerprint", "tenant", "token", "size", "sha256", "parts",
-                              "tensors", "nbytes", "meta", "created"})
 
 Status = Literal["hit", "absent", "corrupt", "rejected", "error"]
 T = TypeVar("T")
-
-
-class RemoteWarning(RuntimeWarning):
-    """The remote tier could not be used for a while; the store carried on with its local tiers."""
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteStats:
-    """Counters of one RedisTier since it was created (all stores using it together).
-
-    hits: verified entries served. absent: gets that found no entry (or raced a rewrite).
-    corrupt: entries deleted because a part was missing or cut short, or the checksum, parse or
-    tensor specs failed. rejected: entries deleted because their manifest names another
-    fingerprint or tenant, or (with a secret) carries no valid MAC. errors: operations that failed
-    on a fault or were skipped during the back-off. writes: entries published.
-    """
-
-    hits: int
-    absent: int
-    corrupt: int
-    rejected: int
-    errors: int
-    writes: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    token: str
-    size: int
-    sha256: str
-    parts: tuple[int, ...]
-    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape)
-    nbytes: int
-    meta_json: str
-
-
-def _field(data: bytes) -> bytes:
-    return struct.pack("<Q", len(data)) + data
-
-
-def _canonical(o: object) -> bytes:
-    return json.dumps(o, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-
-
-def _positive(value: object, what: str, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{what} must be a finite number of seconds, got {type(value).__name__} {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)
 
 
 class RedisTier:
@@ -155,9 +98,9 @@ class RedisTier:
                  part_bytes: int = PART_BYTES, ttl_s: float | None = None, secret: bytes | str | None = None,
                  retry_s: float = 2.0, prefix: str = "agentwin:") -> None:
         url = check_url(url)
-        self.timeout_s = _positive(timeout_s, "timeout_s")
-        self.retry_s = _positive(retry_s, "retry_s", allow_zero=True)
-        self.ttl_s = None if ttl_s is None else _positive(ttl_s, "ttl_s")
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
+        self.retry_s = check_seconds(retry_s, "retry_s", allow_zero=True)
+        self.ttl_s = check_seconds(ttl_s, "ttl_s", allow_none=True)
         for what, v, lo, hi in (("max_connections", max_connections, 1, 1 << 16),
                                 ("part_bytes", part_bytes, 1, MAX_PART_BYTES)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -314,37 +257,14 @@ class RedisTier:
     def _mac(self, digest: str, body: bytes, sha: str) -> str:
         if self._secret is None:
             raise RuntimeError("MAC requested without a secret; this indicates a bug")
-        msg = _field(_MAC_DOMAIN) + _field(digest.encode()) + _field(body) + _field(sha.encode())
+        msg = field(_MAC_DOMAIN) + field(digest.encode()) + field(body) + field(sha.encode())
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
 
-    @staticmethod
-    def _parse(body: bytes, digest: str) -> tuple[_Manifest, str, str] | None:
-        """(manifest, fingerprint, tenant) from the manifest JSON, or None when malformed."""
-        try:
-            o = json.loads(body)
-            specs = {n: (s["dtype"], tuple(s["shape"])) for n, s in o["tensors"].items()}
-            parts = tuple(o["parts"])
-            ok = (set(o) == _MANIFEST_FIELDS and o["format"] == FORMAT and o["digest"] == digest
-                  and isinstance(o["model_fingerprint"], str)
-                  and isinstance(o["tenant"], str) and isinstance(o["token"], str) and _TOKEN.fullmatch(o["token"])
-                  and isinstance(o["sha256"], str) and _HEX64.fullmatch(o["sha256"])
-                  and all(type(o[f]) is int and o[f] >= 0 for f in ("size", "nbytes"))
-                  and all(type(p) is int and p > 0 for p in parts) and sum(parts) == o["size"]
-                  and isinstance(o["meta"], dict) and type(o["created"]) in (int, float)
-                  and all(d in DTYPES and all(type(x) is int and x >= 0 for x in sh) for d, sh in specs.values()))
-            if not ok:
-                return None
-            m = _Manifest(o["token"], o["size"], o["sha256"], parts, specs, o["nbytes"],
-                          _canonical(o["meta"]).decode("utf-8"))
-            return m, o["model_fingerprint"], o["tenant"]
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-
     def _check_manifest(self, digest: str, raw: bytes, fingerprint: str, tenant: str
-                        ) -> tuple[Status, _Manifest | None]:
+                        ) -> tuple[Status, Manifest | None]:
         """("ok" | "corrupt" | "rejected", manifest): parsed, owner and MAC checked."""
         body, sep, mac = raw.rpartition(b"\n")
-        got = self._parse(body, digest) if sep else None
+        got = parse_manifest(body, digest) if sep else None
         if got is None:
             return "corrupt", None
         m, fp, ten = got
@@ -356,10 +276,10 @@ class RedisTier:
                 return "rejected", m
         return "hit", m
 
-    def _part_keys(self, digest: str, m: _Manifest | None) -> list[str]:
+    def _part_keys(self, digest: str, m: Manifest | None) -> list[str]:
         return [] if m is None else [self.part_key(digest, m.token, i) for i in range(len(m.parts))]
 
-    def _drop_if_unchanged(self, digest: str, raw: bytes, m: _Manifest | None) -> bool:
+    def _drop_if_unchanged(self, digest: str, raw: bytes, m: Manifest | None) -> bool:
         """Deletes the entry if its manifest is still `raw` (WATCH/MULTI); False if it changed."""
         mkey = self.manifest_key(digest)
         with self._conn().pipeline(transaction=True) as pipe:
@@ -407,7 +327,7 @@ class RedisTier:
         return (status if self._drop_if_unchanged(digest, raw, m) else "absent"), None
 
     @staticmethod
-    def _assemble(m: _Manifest, parts: list[bytes | None]) -> Entry | None:
+    def _assemble(m: Manifest, parts: list[bytes | None]) -> Entry | None:
         """The entry from its parts, or None when any check fails."""
         if len(parts) != len(m.parts) or any(p is None or len(p) != n for p, n in zip(parts, m.parts)):
             return None
@@ -438,7 +358,7 @@ class RedisTier:
                     "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                                 for k, t in tensors.items()},
                     "nbytes": nbytes, "meta": json.loads(meta_json), "created": time.time()}
-        body = _canonical(manifest)
+        body = canonical(manifest)
         raw = body + b"\n" + (self._mac(digest, body, sha).encode() if self._secret is not None else b"")
 
         def write() -> bool:
@@ -483,11 +403,11 @@ class RedisTier:
             # e.g. a temporary part evicted by the server's LRU before the rename: the manifest
             # would name a missing part; withdraw it (readers would reject it anyway).
             body = raw.rpartition(b"\n")[0]
-            got = self._parse(body, digest)
+            got = parse_manifest(body, digest)
             self._drop_if_unchanged(digest, raw, got[0] if got else None)
             return False
         if isinstance(old, bytes) and old != raw:
-            got = self._parse(old.rpartition(b"\n")[0], digest)
+            got = parse_manifest(old.rpartition(b"\n")[0], digest)
             if got is not None and got[0].token != token:
                 stale = self._part_keys(digest, got[0])
                 if stale:
@@ -510,7 +430,7 @@ class RedisTier:
             raw = self._conn().get(mkey)
             if raw is None:
                 return False
-            got = self._parse(raw.rpartition(b"\n")[0], digest)
+            got = parse_manifest(raw.rpartition(b"\n")[0], digest)
             return bool(self._conn().delete(mkey, *self._part_keys(digest, got[0] if got else None)))
 
         ok, removed = self._call("delete", digest, delete)
@@ -521,7 +441,7 @@ class RedisTier:
         """Sets the entry's lease to `token` for `ttl_s` unless another token holds it
         (`SET NX PX`): "granted", "held" (another holder's, not yet lapsed) or "error" (a fault
         or the back-off: the caller goes on without a lease)."""
-        ttl_ms = max(1, int(_positive(ttl_s, "ttl_s") * 1000))
+        ttl_ms = max(1, int(check_seconds(ttl_s, "ttl_s") * 1000))
         ok, set_ = self._call("lease", digest, lambda: self._conn().set(self.lease_key(digest), token, nx=True,
                                                                          px=ttl_ms))
         if not ok:

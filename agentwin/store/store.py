@@ -31,65 +31,22 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from agentwin.store.disk import DTYPES, DiskTier
+from agentwin.store.disk import DiskTier
 from agentwin.store.keys import ChunkKey, canonical_json, check_key
 from agentwin.store.lease import DiskLeases, Lease, Resolved, check_seconds, new_token
-from agentwin.store.remote import RedisTier, check_url
-from agentwin.store.tiers import Entry, MemoryTier
+from agentwin.store.remote import RedisTier
+from agentwin.store.stats import StoreStats
+from agentwin.store.tiers import Entry, MemoryTier, prepare_tensors
 
 Tensor = torch.Tensor
 MAX_META_BYTES = 1 << 20
 LEASE_TTL_S = 30.0
 _EMPTY: Mapping[str, object] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    """Counters since the store was opened, and current tier occupancy.
-
-    hits / misses: `get` calls served / not served. *_bytes, *_entries: what each tier holds now
-    (RAM and device: tensor bytes; disk: file bytes, data + sidecar, of every entry under root).
-    evictions: entries deleted for budget from their last tier (disk LRU deletions; RAM drops
-    without a root or when the disk write failed). demotions: RAM entries moved out to disk, and
-    device copies dropped for budget (their RAM copy stays). promotions: disk → RAM, remote → RAM
-    (or → disk, for an entry too big for RAM) and RAM → device copies made by get/pin.
-    corrupt_dropped: disk entries deleted because their sidecar or data failed verification, and
-    remote entries deleted because a part was missing or cut short, a check failed, or the
-    manifest named another owner or had no valid MAC.
-    remote_hits / remote_misses: gets that reached the remote tier (after RAM and disk missed)
-    and were served / found no valid entry. remote_errors: remote gets and write-backs that
-    failed on a fault (server down, refused, timeout, error) or were skipped during its back-off.
-    All three stay 0 without a remote tier.
-    lease_waits: get_or_compute calls that found another holder's lease on their key and waited.
-    lease_hits: those served by that holder's entry (a compute this store did not run).
-    lease_takeovers: those that computed after all: the holder's lease lapsed or was released
-    with no entry, or wait_s ran out.
-    """
-
-    hits: int
-    misses: int
-    device_bytes: int
-    ram_bytes: int
-    disk_bytes: int
-    device_entries: int
-    ram_entries: int
-    disk_entries: int
-    evictions: int
-    demotions: int
-    promotions: int
-    corrupt_dropped: int
-    remote_hits: int = 0
-    remote_misses: int = 0
-    remote_errors: int = 0
-    lease_waits: int = 0
-    lease_hits: int = 0
-    lease_takeovers: int = 0
 
 
 def _budget(value: object, what: str) -> int:
@@ -98,25 +55,6 @@ def _budget(value: object, what: str) -> int:
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {value}")
     return value
-
-
-def _prepare(tensors: object) -> dict[str, Tensor]:
-    """Contiguous CPU copies of `tensors` (NaN/inf allowed: it is data), validated."""
-    if not isinstance(tensors, Mapping):
-        raise TypeError(f"tensors must be a mapping of str names to torch.Tensor, got {type(tensors).__name__}")
-    out: dict[str, Tensor] = {}
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ValueError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
-        if not isinstance(t, Tensor):
-            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_quantized:
-            raise TypeError(f"tensors[{name!r}] must be a dense tensor, got layout {t.layout}")
-        if t.dtype not in DTYPES.values():
-            raise TypeError(f"tensors[{name!r}] has dtype {t.dtype}; supported: {sorted(DTYPES)}")
-        t = t.detach()
-        out[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)  # contiguous copy
-    return out
 
 
 class ChunkStore:
@@ -211,7 +149,7 @@ class ChunkStore:
             digest = check_key(key).digest
             if not isinstance(pin, bool):
                 raise TypeError(f"pin must be a bool, got {type(pin).__name__} {pin!r}")
-            prepared = _prepare(tensors)
+            prepared = prepare_tensors(tensors)
             meta_json = canonical_json(meta, "meta")
             if len(meta_json.encode("utf-8")) > MAX_META_BYTES:
                 raise ValueError(f"meta is {len(meta_json)} bytes of JSON; keep it under {MAX_META_BYTES}")
@@ -559,53 +497,3 @@ class ChunkStore:
             if d is not None:
                 return dict(d.tensors), json.loads(e.meta_json)
         return dict(e.tensors), json.loads(e.meta_json)
-
-
-def open_store(location: str | os.PathLike | None = None, *, model_fingerprint: str = "", tenant: str = "",
-               secret: bytes | str | None = None, ram_bytes: int = 2 << 30, disk_bytes: int = 20 << 30,
-               timeout_s: float = 1.0, cache_dir: str | os.PathLike | None = None) -> ChunkStore:
-    """A `ChunkStore` for `location`:
-
-    - None: RAM only (`ram_bytes`).
-    - a filesystem path (str or os.PathLike): RAM + a disk tier rooted there (`disk_bytes`),
-      shareable by processes on this machine.
-    - "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS), either with
-      "?cluster=1" for a Redis Cluster (any node's host:port): RAM, plus a disk tier at
-      `cache_dir` when given, plus a `RedisTier` on that server shared across processes and
-      machines; `timeout_s` bounds each connect/read/write, `secret` signs and verifies entries
-      (HMAC-SHA256; use one per tenant). Nothing connects here; a server that is down makes every
-      remote call a miss (one RemoteWarning) until it answers.
-    `secret` and `timeout_s` only concern the remote tier (local tiers are trusted and local);
-    they are validated whatever the location. `cache_dir` is for redis locations only.
-    ValueError for a location of another form, TypeError for arguments of the wrong type.
-    """
-    forms = ("None (RAM only), a filesystem path (disk tier at that root), or a redis://[user:password@]host"
-             "[:port][/db] / rediss://... URL, ?cluster=1 for a Redis Cluster (remote tier, with a disk tier at "
-             "cache_dir if given)")
-    if secret is not None and not isinstance(secret, (bytes, str)):
-        raise TypeError(f"secret must be bytes, str or None, got {type(secret).__name__}")
-    if isinstance(secret, (bytes, str)) and not secret:
-        raise ValueError("secret must not be empty; pass None for unsigned entries")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
-    if not (timeout_s > 0 and timeout_s != float("inf")):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise TypeError(f"cache_dir must be a path or None, got {type(cache_dir).__name__}")
-    common = {"ram_bytes": ram_bytes, "model_fingerprint": model_fingerprint, "tenant": tenant}
-    if isinstance(location, str) and "://" in location:
-        url = check_url(location) if location.split("://", 1)[0] in ("redis", "rediss") else None
-        if url is None:
-            raise ValueError(f"location {location.split('://', 1)[0]}://... is not supported; location must be {forms}")
-        remote = RedisTier(url, timeout_s=timeout_s, secret=secret)
-        return ChunkStore(cache_dir, disk_bytes=disk_bytes, remote=remote, **common)
-    if cache_dir is not None:
-        raise ValueError("cache_dir only applies to a redis:// or rediss:// location; for a local disk tier pass "
-                         "its path as location")
-    if location is None:
-        return ChunkStore(None, disk_bytes=disk_bytes, **common)
-    if isinstance(location, str) and not location:
-        raise ValueError(f"location is an empty string; location must be {forms}")
-    if not isinstance(location, (str, os.PathLike)):
-        raise TypeError(f"location must be {forms}; got {type(location).__name__} {location!r}")
-    return ChunkStore(location, disk_bytes=disk_bytes, **common)

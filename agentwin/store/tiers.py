@@ -8,9 +8,15 @@ entry is never chosen as a victim.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+# The tensor dtypes an entry may hold (every tier: disk, remote and RAM check the same list).
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 Tensor = torch.Tensor
 
@@ -106,3 +112,22 @@ class MemoryTier:
                                "this indicates a bug")
         if not self.pinned <= set(self.entries):
             raise RuntimeError(f"{self.name} tier pins entries it does not hold; this indicates a bug")
+
+
+def prepare_tensors(tensors: object) -> dict[str, Tensor]:
+    """Contiguous CPU copies of `tensors` (NaN/inf allowed: it is data), validated."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of str names to torch.Tensor, got {type(tensors).__name__}")
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
+        if not isinstance(t, Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_quantized:
+            raise TypeError(f"tensors[{name!r}] must be a dense tensor, got layout {t.layout}")
+        if t.dtype not in DTYPES.values():
+            raise TypeError(f"tensors[{name!r}] has dtype {t.dtype}; supported: {sorted(DTYPES)}")
+        t = t.detach()
+        out[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)  # contiguous copy
+    return out

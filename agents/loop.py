@@ -44,7 +44,6 @@ distribution after that query and a full re-prefill's (`Window.reference_logprob
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ from agents.actions import LOOP_ACTIONS, MalformedAction, describe_actions, pars
 from agents.base import ActionError, Env, EnvError, Observation
 from agents.fit import fit_observation
 from agents.model import Decider
-from agents.records import RunSummary, StepRecord, summarize
+from agents.records import Progress, RunSummary, StepRecord, summarize
 
 __all__ = ["AgentLoop", "RunResult", "RunSummary", "StepRecord", "kl_to_reference", "observation_chunks"]
 
@@ -163,7 +162,7 @@ class AgentLoop:
         if hasattr(self.decider, "use_actions"):
             arguments = self.env.action_arguments() if hasattr(self.env, "action_arguments") else {}
             self.decider.use_actions(self.env.actions(), arguments, window=self.window)
-        progress = _Progress(self.max_steps, self.env.name, self.progress)
+        progress = Progress(self.max_steps, self.env.name, self.progress)
         stopped, answer, notice = "step limit", None, None
         try:
             record = self._begin(0)
@@ -481,31 +480,3 @@ def _answer_text(action: dict[str, Any]) -> str:
     if text is None or (isinstance(text, str) and not text.strip()):
         raise MalformedAction('answer needs its "text", e.g. {"action": "answer", "text": "..."}')
     return str(text).strip()
-
-
-class _Progress:
-    """Step progress on stderr: a tqdm bar on a terminal, one plain line per step elsewhere (no
-    carriage returns or cursor moves in logs), nothing when disabled."""
-
-    def __init__(self, total: int, name: str, enabled: bool) -> None:
-        self.total, self.name, self.enabled = total, name, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.bar = None
-        if self.tty:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=f"{name} steps", leave=True, dynamic_ncols=True)
-
-    def step(self, record: StepRecord) -> None:
-        what = (record.action or {}).get("action", "malformed")
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(f"{what}, {record.window_tokens} tok")
-        elif self.enabled:
-            where = f" -> {record.observation}" if record.observation and record.event != "answer" else ""
-            print(f"{self.name} step {record.step}/{self.total}: {what}{where}, window {record.window_tokens} "
-                  f"tokens, {record.seconds:.1f} s", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

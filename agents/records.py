@@ -4,11 +4,12 @@ Every count in the summary is a sum over the step records (`summarize`), so the 
 report an eviction, a recall, a store hit or a vision-tower run that no step shows. The window's
 work is given as the tokens its forwards computed, by kind (encode, in_context, conditioned,
 query, decode, orbit), and the run's wall time; no saving is claimed, since none is measured
-against a baseline run on the same inputs here.
+against a baseline run on the same inputs here. `Progress` shows the steps as they finish.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,3 +140,31 @@ def summarize(records: list[StepRecord], *, env: str, model: str, task: str, sto
         refused_actions=sum(1 for r in records if r.error_kind == "refused"),
         kl_at_recalls=[r.kl for r in records if r.kl is not None], window_tokens=window_tokens,
         budget_tokens=budget_tokens, wall_s=wall_s)
+
+
+class Progress:
+    """Step progress on stderr: a tqdm bar on a terminal, one plain line per step elsewhere (no
+    carriage returns or cursor moves in logs), nothing when disabled."""
+
+    def __init__(self, total: int, name: str, enabled: bool) -> None:
+        self.total, self.name, self.enabled = total, name, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.bar = None
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name} steps", leave=True, dynamic_ncols=True)
+
+    def step(self, record: StepRecord) -> None:
+        what = (record.action or {}).get("action", "malformed")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{what}, {record.window_tokens} tok")
+        elif self.enabled:
+            where = f" -> {record.observation}" if record.observation and record.event != "answer" else ""
+            print(f"{self.name} step {record.step}/{self.total}: {what}{where}, window {record.window_tokens} "
+                  f"tokens, {record.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tools.bench import trace as trace_mod
-from tools.bench.strategies import AgentwinStrategy, PrefixCache, RadixTree, Reprefill, Streaming
+from tools.bench.prefix_cache import PrefixCache, RadixTree
+from tools.bench.strategies import AgentwinStrategy, Reprefill, Streaming
 from tools.bench.trace import Trace, parsed_action, replay, score, summarize
 from tools.bench.trace_bench import STRATEGIES, factories, verdict
 from tools.bench.traces import RecordingWindow

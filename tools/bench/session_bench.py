@@ -30,7 +30,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable, Sequence
 
-from tools.bench.strategies import PrefixCache, Reprefill, Strategy, WindowStrategy
+from tools.bench.prefix_cache import PrefixCache
+from tools.bench.strategies import Reprefill, Strategy, WindowStrategy
 from tools.bench.trace import Run, Trace, measure, row_of, score, summarize
 from agentwin.policies import Refresh
 

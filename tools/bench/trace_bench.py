@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tools.bench.strategies import AgentwinStrategy, PrefixCache, Reprefill, Strategy, Streaming
+from tools.bench.prefix_cache import PrefixCache
+from tools.bench.strategies import AgentwinStrategy, Reprefill, Strategy, Streaming
 from tools.bench.trace import Trace, measure, row_of, score, summarize
 
 STRATEGIES = ("reprefill", "prefix", "streaming", "agentwin-r16", "agentwin-orbit", "agentwin-exact")

@@ -11,6 +11,7 @@ from agents.doc import PdfEnv, write_text_pdf
 from agents.loop import AgentLoop, kl_to_reference, observation_chunks
 from agents.model import ScriptedDecider, ScriptExhausted, WindowDecider
 from agentwin import KameraModel, Window
+from tests.support import forward_growth, tolerance
 
 PAGES = [
     "Harbour. The harbour master is Anja Roth. She keeps the tide log.",
@@ -322,7 +323,12 @@ def test_fidelity_check_sees_blind_reuse(tiny, pdf):
                                       {"action": "answer", "text": "-"}])
             result = AgentLoop(env, window, script, "x", fidelity_query=QUERY).run()
         kls[patch] = result.summary.kl_at_recalls[0]
-        assert kls[patch] == pytest.approx(kl_to_reference(window, QUERY), abs=1e-9)
+        # Measured again on the same window: the two reads round differently (the second reuses
+        # rows the first computed), each within δ of the exact log-probabilities, and the KL is
+        # summed from float32 log-probabilities, so the two agree to first order, within 2·δ.
+        logp = float(window.reference_logprobs(QUERY).abs().max())
+        delta = tolerance(torch.float32, logp, forward_growth(tiny.model.config))
+        assert kls[patch] == pytest.approx(kl_to_reference(window, QUERY), abs=2 * delta)
     assert abs(kls["origin"]) < 1e-4 and kls["none"] > 100 * max(abs(kls["origin"]), 1e-7)
 
 

@@ -30,9 +30,13 @@ def test_quick_run_writes_the_figures(tmp_path, capsys):
     assert r["distinct_chunks"] == 3 and r["distinct_placements"] >= r["distinct_chunks"]
     # The shared store computes each placement once across the fleet, in every repeat: what one worker is
     # computing, the other waits for. A private store computes the placements of the tasks its worker ran:
-    # both workers ran tasks of the one PDF, so each computed all of them.
+    # both workers ran tasks of the one PDF, so each computed all of them. Tasks go to whichever worker is
+    # idle (the split varies with timing), but no task is handed out before both workers have started, so
+    # each takes one of the first two.
     assert r["encodes_shared"] == r["distinct_placements"] and r["encodes_shared_runs"] == [r["distinct_placements"]] * 2
-    assert r["tasks_per_worker_private"] == {"0": 3, "1": 3}
+    for side in ("shared", "private"):
+        split = r[f"tasks_per_worker_{side}"]
+        assert set(split) == {"0", "1"} and min(split.values()) >= 1 and sum(split.values()) == 6, (side, split)
     assert r["encodes_private_runs"] == r["distinct_placements_private_runs"] == [2 * r["distinct_placements"]] * 2
     assert r["encodes_private"] == r["distinct_placements_private"] > r["encodes_shared"]
     assert r["chunk_tokens_computed_private"] == 2 * r["chunk_tokens_computed_shared"] > 0

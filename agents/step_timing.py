@@ -110,11 +110,11 @@ def measure_agent(km: Any, kind: str, budget_tokens: int = 1024, max_steps: int 
                   workdir: str | os.PathLike | None = None, guard: bool = False) -> dict[str, Any]:
     """One run of agent `kind` with the model deciding; every step's time, forward time and
     decoding figures (see the module docstring). The window has its default settings (`guard`:
-    the patch policies' default, `agentwin.policies.DEFAULT_PATCH_POLICY`, with the patch guard on)."""
+    the patch policies' default, `agentwin.patches.policies.DEFAULT_PATCH_POLICY`, with the patch guard on)."""
     from agents.loop import AgentLoop
     from agents.model import WindowDecider
     from agentwin import Window
-    from agentwin.policies import DEFAULT_PATCH_POLICY
+    from agentwin.patches.policies import DEFAULT_PATCH_POLICY
 
     steps: list[dict[str, Any]] = []
     timer = ForwardTimer(km.model)

@@ -16,11 +16,11 @@ the default window (`patch="exact"`) reproduces a re-prefill of its tokens and n
 more than prefix caching would on the same session: what a slide or a recall invalidates is
 recomputed (and counted as "recompute"), nothing else.
 
-Approximate placements trade fidelity for work (`agentwin.policies`): "survive" keeps a chunk's
+Approximate placements trade fidelity for work (`agentwin.patches.policies`): "survive" keeps a chunk's
 KV from its last placement and moves it by RoPE re-rotation when chunks before it change
 (StreamingLLM-style survival); "none" (blind reuse), "origin", "origin-akin" and the other origin
 variants, "orbit" and "fresh" serve a chunk's canonical KV (encoded alone, chunk-local frame)
-placed by a shift plus a low-rank antecedent patch fitted from its pass (`agentwin.window_fit`:
+placed by a shift plus a low-rank antecedent patch fitted from its pass (`agentwin.patches.fit`:
 within `patch_bytes`, 6% of the chunk's canonical KV by default; `rank=None`: exact, full-rank
 patches). Attention applies the shift to the few query rows instead of the keys
 (`agentwin.models.segments`), so placing, moving and recalling write no KV bytes. Where a
@@ -44,12 +44,13 @@ import torch
 from agentwin.content import Content, Frames, Image, Text, model_inputs  # noqa: F401 (Frames, Image re-exported)
 from agentwin.eviction import make_eviction
 from agentwin.models.adapter import KameraModel
-from agentwin.policies import DEFAULT_POLICY, PATCH_POLICIES, POLICIES, POLICY_TYPES, Exact
+from agentwin.models.kv import LayerKV
+from agentwin.patches.fit import patch_settings
 from agentwin.prefix import PrefixIndex, root_key
 from agentwin.store import ChunkKey, ChunkStore
-from agentwin.window_chunk import ChunkId, ChunkRecord, check_invariants, held_bytes, timed
-from agentwin.window_engine import WindowEngine
-from agentwin.window_fit import BUDGET, patch_settings
+from agentwin.window_chunk import ChunkId, ChunkRecord, ChunkView, check_invariants, held_bytes, timed
+from agentwin.window_config import WindowConfig
+from agentwin.window_engine import PolicyHost, WindowEngine
 from agentwin.window_io import WindowIO
 from agentwin.window_stats import WindowStats
 from kamera_core import patch as kp  # noqa: F401 (tests reach the fit through it)
@@ -60,52 +61,38 @@ from kamera_core.segment import Segment
 class Window(WindowEngine):
     """Ordered chunks in context over a `KameraModel`; see the module docstring."""
 
-    def __init__(self, km: KameraModel, budget_tokens: int = 8192, patch: str | Exact = DEFAULT_POLICY,
-                 rank: int | str | None = BUDGET, store: ChunkStore | None = None, storage: str = "auto",
-                 evict: str = "fifo", guard: bool | str = "auto", max_kl: float | None = None, fit: str = "residual",
-                 patch_bytes: float | None = None) -> None:
-        """store: where KV lives (in-context KV by placement, canonical KV, patches), shared by
-        every window (and process, with a disk root or a Redis tier) that uses it; default a
-        private RAM-only store. patch: "exact" (the default) or an approximate policy
-        (`agentwin.policies`). evict: "fifo" or "lru", which unpinned chunk the budget drops first.
-        The rest sets the patches of the patch policies (`agentwin.window_fit`): rank "budget"
-        (each chunk's patch at most `patch_bytes`, default 0.06, of its canonical KV bytes), an int
-        (the bytes of that rank in every layer) or None (exact patches); fit (how the bytes are
-        spread, "residual" by default), storage (the factors' form, "auto"), guard (keep a patch
-        only where it beats blind reuse, `agentwin.guard`) and max_kl (a next-token KL target per
-        text chunk instead of a byte budget)."""
+    def __init__(self, km: KameraModel, config: WindowConfig | None = None, store: ChunkStore | None = None,
+                 **settings: object) -> None:
+        """config: the window's settings (`agentwin.window_config.WindowConfig`: budget, placement
+        policy, eviction, patch settings); or give them as keywords of the same names
+        (`Window(km, budget_tokens=2048)`), not both. store: where KV lives (in-context KV by
+        placement, canonical KV, patches), shared by every window (and process, with a disk root
+        or a Redis tier) that uses it; default a private RAM-only store."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
-        if isinstance(patch, Exact):  # a configured policy object, e.g. Refresh(near_tokens=64)
-            policy, patch = patch, patch.name
-        elif patch not in POLICIES:
-            raise ValueError(f"patch must be one of {POLICIES} (or a policy object such as "
-                             f"agentwin.policies.Refresh(...)), got {patch!r}")
-        else:
-            policy = POLICY_TYPES[patch]()
-        settings = patch_settings(km, rank, patch_bytes, storage, guard, max_kl, fit)
-        given = [name for name, value, default in (("rank", rank, BUDGET), ("patch_bytes", patch_bytes, None),
-                                                   ("storage", storage, "auto"), ("guard", guard, "auto"),
-                                                   ("max_kl", max_kl, None), ("fit", fit, "residual"))
-                 if value != default and not (name == "rank" and value is None)]
-        if given and patch not in PATCH_POLICIES:
-            raise ValueError(f"{', '.join(given)} set(s) the patches of a patch policy, and patch={patch!r} fits none; "
-                             f"pass patch='origin-akin' (or another patch policy: {', '.join(PATCH_POLICIES)}) "
-                             "to use them")
-        eviction = make_eviction(evict)  # ValueError names the choices
-        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
-            raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
+        if config is not None and not isinstance(config, WindowConfig):
+            raise TypeError(f"config must be an agentwin.WindowConfig, got {type(config).__name__}")
+        if config is not None and settings:
+            raise TypeError(f"pass the window's settings in config or as keywords, not both ({', '.join(settings)})")
+        unknown = sorted(set(settings) - set(WindowConfig.names()))
+        if unknown:
+            raise TypeError(f"unknown window setting(s) {', '.join(unknown)}; the settings are "
+                            f"{', '.join(WindowConfig.names())}")
+        c = config if config is not None else WindowConfig(**settings)  # ValueError says what to pass
+        patches = patch_settings(km, c.rank, c.patch_bytes, c.storage, c.guard, c.max_kl, c.fit)
         if store is not None and not isinstance(store, ChunkStore):
             raise TypeError(f"store must be an agentwin.store.ChunkStore or None, got {type(store).__name__}")
         if store is not None and store.model_fingerprint not in ("", km.fingerprint):
             raise ValueError("the store belongs to another model (fingerprint differs); open one for this model")
         self.store = store if store is not None else ChunkStore(None, model_fingerprint=km.fingerprint)
-        self.km, self.policy, self.budget_tokens, self.settings = km, patch, budget_tokens, settings
-        self._policy = policy
-        self.rank, self.patch_bytes, self.storage = settings.rank, settings.patch_bytes, settings.storage
-        self.guard, self.max_kl, self.fit = settings.guard, settings.max_kl, settings.fit
-        self.eviction = evict
-        self._eviction = eviction  # which unpinned chunks the budget drops first (agentwin.eviction)
+        self.km, self.config, self.settings = km, c, patches
+        # Read-only views of the settings (the checked patch settings, "auto" resolved).
+        self.policy, self.budget_tokens, self.eviction = c.policy_name, c.budget_tokens, c.evict
+        self.rank, self.patch_bytes, self.storage = patches.rank, patches.patch_bytes, patches.storage
+        self.guard, self.max_kl, self.fit = patches.guard, patches.max_kl, patches.fit
+        self._policy = c.policy()
+        self._host = PolicyHost(self)  # what the policy sees of this window
+        self._eviction = make_eviction(c.evict)  # which unpinned chunks the budget drops first (agentwin.eviction)
         self._depth = 0  # nesting of timed public operations
         self._chunks: dict[ChunkId, ChunkRecord] = {}
         self._order: list[ChunkId] = []
@@ -113,7 +100,7 @@ class Window(WindowEngine):
         self._next_id = 0
         self._stats = WindowStats()
         self._asked: tuple[tuple[int, ...] | None, torch.Tensor | None] = (None, None)  # last query, its summary
-        self._io = WindowIO(km, self.store, self._stats, settings)
+        self._io = WindowIO(km, self.store, self._stats, patches)
         self.encoder = self._io.encoder
         self._root = root_key(km.fingerprint, self.store.tenant)
         self._index = PrefixIndex()
@@ -224,7 +211,7 @@ class Window(WindowEngine):
         if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
             raise ValueError(f"orders must be a positive int, got {orders!r}")
         self.materialize()  # every chunk's first pass (and its origin patch) before the orders
-        return self._policy.sample_orders(self, orders, seed)
+        return self._policy.sample_orders(self._host, orders, seed)
 
     @timed
     def reorder(self, order: Sequence[ChunkId]) -> None:
@@ -290,7 +277,7 @@ class Window(WindowEngine):
         """The exact token sequence a reference re-prefill reads: the window's chunks, then the query."""
         parts = [self._chunks[c].ids for c in self._order]
         if query is not None:
-            parts.append(self._query_ids(query))
+            parts.append(self.query_ids(query))
         if not parts:
             return torch.zeros(0, dtype=torch.long)
         return torch.cat(parts)
@@ -301,7 +288,7 @@ class Window(WindowEngine):
         frame chunks; the model computes the positions itself. `model(**reference_inputs(q))`."""
         parts = [self._chunks[c].inputs for c in self._order]
         if query is not None:
-            parts.append(self._query_ids(query))
+            parts.append(self.query_ids(query))
         return self.km.reference_inputs(parts)
 
     @timed
@@ -314,7 +301,7 @@ class Window(WindowEngine):
     def reference_logprobs(self, query: str) -> torch.Tensor:
         """The same from a full re-prefill of `reference_inputs(query)` (the model's own forward,
         vision tower included)."""
-        parts = [self._chunks[c].inputs for c in self._order] + [self._query_ids(query)]
+        parts = [self._chunks[c].inputs for c in self._order] + [self.query_ids(query)]
         return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
     @timed
@@ -334,7 +321,7 @@ class Window(WindowEngine):
         and is not returned."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        self._query_ids(query)  # checked before anything runs
+        self.query_ids(query)  # checked before anything runs
         if max_new_tokens == 0:
             return []
         return self.read(query, max_new_tokens, logits_processor, stop).token_ids
@@ -350,13 +337,13 @@ class Window(WindowEngine):
         log-probabilities of the token after each of them. Not with `max_new_tokens`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        ids = self._query_ids(query)
+        ids = self.query_ids(query)
         if continuation is not None:
             return self._read_continuation(ids, continuation, max_new_tokens)
         cache, logits, tail = self._read(list(self._order), ids)
         logprobs = torch.log_softmax(logits, -1)
         seen, out = ids, []
-        position = self._span(self._order) + int(ids.numel())
+        position = self.positions(self._order) + int(ids.numel())
         eos = getattr(self.km.model.config, "eos_token_id", None)
         eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         scores, ended = logits[None], None
@@ -420,7 +407,7 @@ class Window(WindowEngine):
                 raise ValueError(f"unknown chunk id {cid!r}")
         if not candidates:
             return []
-        ids = self._query_ids(query)
+        ids = self.query_ids(query)
         asked = tuple(ids.tolist())
         if self._asked[0] != asked:  # a query asked again (an agent's task) is encoded once
             self._asked = (asked, self.km.key_summary(ids))
@@ -429,6 +416,44 @@ class Window(WindowEngine):
         scores = layer_cosine(q, torch.stack([self._summary(self._chunks[c]) for c in candidates])).tolist()
         ranked = sorted(zip(candidates, scores), key=lambda cs: (-cs[1], cs[0]))
         return [(ChunkId(c), float(score)) for c, score in ranked[:k]]
+
+    def query_ids(self, query: str) -> torch.Tensor:
+        """The token ids a read of `query` forwards after the chunks (TypeError / ValueError for a
+        query that is not text or tokenizes to nothing)."""
+        if not isinstance(query, str):
+            raise TypeError(f"the query must be a str, got {type(query).__name__}")
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"the query is not valid text ({err.reason} at character {err.start}); "
+                             "pass a str that encodes as UTF-8") from None
+        ids = self.km.tokenize(query)
+        if ids.numel() == 0:
+            raise ValueError("the query tokenizes to no tokens")
+        return ids
+
+    def positions(self, chunk_ids: Sequence[ChunkId] | None = None) -> int:
+        """Position units the chunks take (default: the window's, in order): where what is read
+        after them starts. A vision chunk's span may differ from its token count."""
+        order = self._order if chunk_ids is None else chunk_ids
+        for cid in order:
+            if cid not in self._chunks:
+                raise ValueError(f"unknown chunk id {cid!r}")
+        return sum(self._chunks[c].span for c in order)
+
+    def inspect(self, chunk_id: ChunkId) -> ChunkView:
+        """What the window holds for a chunk (in the window or evicted) now, read-only: for
+        inspection, tests and benchmarks. Nothing is computed or read from the store."""
+        if chunk_id not in self._chunks:
+            raise ValueError(f"unknown chunk id {chunk_id!r}")
+        return ChunkView.of(self._chunks[chunk_id], chunk_id in self._order)
+
+    def canonical_kv(self, chunk_id: ChunkId) -> list[LayerKV]:
+        """The chunk's canonical KV (its prefill alone, chunk-local frame) as the patch policies
+        use it: held, else read from the store, else encoded now (one forward, counted as
+        "encode"). The chunk must be in the window."""
+        self._require_in_window(chunk_id)
+        return self._hold(self._chunks[chunk_id])
 
     def stats(self) -> WindowStats:
         """This window's counters and times; `store` is a snapshot of the store's tiers and hits."""
@@ -451,19 +476,6 @@ class Window(WindowEngine):
         if chunk_id not in self._order:
             raise ValueError(f"chunk {chunk_id!r} is not in the window (in window: {self._order})")
 
-    def _query_ids(self, query: str) -> torch.Tensor:
-        if not isinstance(query, str):
-            raise TypeError(f"the query must be a str, got {type(query).__name__}")
-        try:
-            query.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ValueError(f"the query is not valid text ({err.reason} at character {err.start}); "
-                             "pass a str that encodes as UTF-8") from None
-        ids = self.km.tokenize(query)
-        if ids.numel() == 0:
-            raise ValueError("the query tokenizes to no tokens")
-        return ids
-
     def _touch(self, chunk_id: ChunkId) -> None:
         self._eviction.used(chunk_id)
 
@@ -472,9 +484,7 @@ class Window(WindowEngine):
         sizes = {c: int(self._chunks[c].ids.numel()) for c in self._order}
         return self._eviction.plan(self._order, sizes, self._pinned, incoming, self.budget_tokens)
 
-    def _span(self, order: Sequence[ChunkId]) -> int:
-        """Position units taken by `order` (where the next chunk or the query starts)."""
-        return sum(self._chunks[c].span for c in order)
+
 
 
 @dataclass(frozen=True, slots=True)

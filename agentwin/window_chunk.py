@@ -6,13 +6,14 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import NewType, Sequence
+from types import MappingProxyType
+from typing import Mapping, NewType, Sequence
 
 import torch
 
 from agentwin.models.adapter import ChunkInput
 from agentwin.models.kv import LayerKV
-from agentwin.orbit import Orbit
+from agentwin.patches.orbit import Orbit
 from agentwin.store import ChunkKey
 from agentwin.window_stats import kv_nbytes
 from kamera_core import patch as kp
@@ -88,6 +89,33 @@ class ChunkRecord:
     served: ChunkKey | None = None  # placement last served approximately (for counting relocations)
     pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
     orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A read-only look at one chunk (`Window.inspect`): its content `key` and tokens, whether it
+    is in the window, and the KV the window holds for it now: in-context `kv` computed with its
+    first position at `start` (None when it holds none), and for the patch policies its
+    `canonical` KV (chunk-local frame) and `patches` by antecedent (content keys of the chunks
+    before it). The tensors are the window's own: read them, do not write them."""
+
+    id: ChunkId
+    key: ChunkKey
+    ids: torch.Tensor
+    in_window: bool
+    kv: list[LayerKV] | None
+    start: int | None
+    canonical: list[LayerKV] | None
+    patches: Mapping[tuple[ChunkKey, ...], kp.ChunkPatch]
+
+    @classmethod
+    def of(cls, c: ChunkRecord, in_window: bool) -> ChunkView:
+        return cls(c.id, c.key, c.ids, in_window, c.held.kv if c.held else None, c.held.start if c.held else None,
+                   c.canonical, MappingProxyType(dict(c.patches)))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.numel())
 
 
 def check_invariants(order: Sequence[ChunkId], chunks: dict, pinned: set, layers: int) -> None:

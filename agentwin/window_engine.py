@@ -15,6 +15,7 @@ import torch
 from agentwin.models.adapter import ChunkInput
 from agentwin.models.kv import LayerKV, relocate_kv
 from agentwin.models.vision import TextChunk
+from agentwin.patches.host import Earlier, Probed
 from agentwin.prefix import Piece, placement_key
 from agentwin.store import ChunkKey
 from agentwin.window_chunk import ChunkId, ChunkRecord, Held, Placement, key_summary
@@ -58,15 +59,15 @@ class WindowEngine:
                 chunk.canonical = self._io.put_canonical(chunk, self._encode(chunk.inputs, int(chunk.ids.numel())))
         return chunk.canonical
 
-    def _earlier_kv(self, chunk: ChunkRecord) -> tuple[list[LayerKV], int] | None:
+    def _earlier_kv(self, chunk: ChunkRecord) -> Earlier | None:
         """The KV this chunk was last computed with (any placement) and the position it was
         computed at: held by the window, else its last exact KV from the store; None if neither."""
         if chunk.held is not None:
-            return chunk.held.kv, chunk.held.start
+            return Earlier(chunk.held.kv, chunk.held.start)
         if chunk.last is not None:
             kv = self._io.load_placed(chunk.last[0], int(chunk.ids.numel()))
             if kv is not None:
-                return kv, chunk.last[1]
+                return Earlier(kv, chunk.last[1])
         return None
 
     def _summary(self, chunk: ChunkRecord) -> torch.Tensor:
@@ -76,8 +77,7 @@ class WindowEngine:
             else:
                 earlier = self._earlier_kv(chunk)
                 if earlier is not None:
-                    kv, start = earlier
-                    chunk.summary = key_summary(relocate_kv(kv, self.km.specs, self.km.layout, -start))
+                    chunk.summary = key_summary(relocate_kv(earlier.kv, self.km.specs, self.km.layout, -earlier.start))
                 else:
                     chunk.summary = key_summary(self._encode(chunk.inputs, int(chunk.ids.numel())))
         return chunk.summary
@@ -129,7 +129,7 @@ class WindowEngine:
             held = self._placed(chunk, pl, exact)
             if held is None and self._changed_at is None:
                 self._changed_at = pl.first
-            approx = None if held is not None else self._policy.place(self, chunk, pl, order[:pl.index])
+            approx = None if held is not None else self._policy.place(self._host, chunk, pl, order[:pl.index])
             if held is None and approx is None and exact and self._policy.placed:
                 # Another worker on this store may be computing this very placement: wait for it
                 # rather than compute it twice (what is owed before it is computed first).
@@ -175,7 +175,7 @@ class WindowEngine:
             run = self._forward_run(waiting, layers, exact, tail, waiting[0][1].prefix, waiting[0][1].first,
                                     waiting[0][1].start, rows)
         else:
-            run = self._forward_run(waiting, layers, exact, tail, prefix, first, self._span(order), rows)
+            run = self._forward_run(waiting, layers, exact, tail, prefix, first, self.positions(order), rows)
         self._settle(waiting, run, order)
         run.prefix = prefix
         return run.cache, run.logits, run
@@ -248,7 +248,7 @@ class WindowEngine:
         self._stats.count(kind, n)
         self._stats.conditioned_passes += kind == "conditioned"
         self._stats.seconds[kind] += time.perf_counter() - t0
-        self._keep(chunk, pl, kv, exact, order, (before, probe, pl.first) if probe is not None else None)
+        self._keep(chunk, pl, kv, exact, order, Probed(before, probe, pl.first) if probe is not None else None)
         self._add(layers, chunk.held.kv, pl.first)
 
     def _forward_run(self, waiting: list, layers: Layers, exact: bool, tail: torch.Tensor | None,
@@ -307,7 +307,7 @@ class WindowEngine:
             offset += n
 
     def _keep(self, chunk: ChunkRecord, pl: Placement, kv: list[LayerKV], exact: bool, order: Sequence[ChunkId],
-              probed: tuple | None) -> None:
+              probed: Probed | None) -> None:
         """A chunk's KV computed at `pl`: held, and kept in the store (and the prefix index) when
         the chunks before it were exact; then the policy's fit from the pass (patch policies)."""
         antecedent = self._keys(order[:pl.index])
@@ -324,7 +324,7 @@ class WindowEngine:
             chunk.summary = None  # from the newest KV when asked
         if first_pass:
             chunk.origin = antecedent
-        self._policy.passed(self, chunk, pl, order[:pl.index], kv, probed, first_pass)
+        self._policy.passed(self._host, chunk, pl, order[:pl.index], kv, probed, first_pass)
 
     def _keep_tail(self, run: "_Run | None", ids: torch.Tensor, cache: object) -> None:
         """Index the read's tail (query and decoded tokens) after the window's prefix, so a read
@@ -332,6 +332,39 @@ class WindowEngine:
         if run is None or not run.exact or not self._policy.placed:
             return
         self._index.add(run.prefix, ids, kv=run.rows(run.chunk_rows, run.chunk_rows + int(ids.numel())))
+
+
+class PolicyHost:
+    """The window as its placement policy sees it (`agentwin.patches.host.Host`): the chunk records
+    and order, the store access, a chunk's canonical KV, earlier KV and key summary, the counters.
+    The policy gets this view, never the window itself."""
+
+    __slots__ = ("_window",)
+
+    def __init__(self, window: WindowEngine) -> None:
+        self._window = window
+
+    km = property(lambda self: self._window.km)
+    settings = property(lambda self: self._window.settings)
+    stats = property(lambda self: self._window._stats)
+    io = property(lambda self: self._window._io)
+    order = property(lambda self: self._window._order)
+    changed_at = property(lambda self: self._window._changed_at)
+
+    def chunk(self, chunk_id: ChunkId) -> ChunkRecord:
+        return self._window._chunks[chunk_id]
+
+    def keys(self, ids: Sequence[ChunkId]) -> tuple[ChunkKey, ...]:
+        return self._window._keys(ids)
+
+    def canonical(self, chunk: ChunkRecord) -> list[LayerKV]:
+        return self._window._hold(chunk)
+
+    def earlier(self, chunk: ChunkRecord) -> Earlier | None:
+        return self._window._earlier_kv(chunk)
+
+    def summary(self, chunk: ChunkRecord) -> torch.Tensor:
+        return self._window._summary(chunk)
 
 
 class _Run:

@@ -18,7 +18,7 @@ from kamera_core import patch as kp
 
 class WindowIO:
     """Store access for one window (`settings`: the window's patch settings,
-    `agentwin.window_fit.PatchSettings`, part of the patch keys)."""
+    `agentwin.patches.fit.PatchSettings`, part of the patch keys)."""
 
     def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, settings: Any) -> None:
         self.km, self.store, self._stats = km, store, stats

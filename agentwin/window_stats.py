@@ -24,7 +24,7 @@ class WindowStats:
         new antecedent, for a patch), "query",
         "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`),
         "retrieval" (a query encoded alone by `nearest`), "guard" (the patch guard's forwards of a
-        chunk's last rows, `agentwin.guard.tail_kl`).
+        chunk's last rows, `agentwin.patches.guard.tail_kl`).
         One model forward may compute tokens of several kinds (a read computes the chunks that
         wait for their pass and its query in one forward): it counts once under each kind.
     passes: model forwards run (each counted once, whatever kinds of tokens it computed).
@@ -53,7 +53,7 @@ class WindowStats:
         patches' share of their chunks' KV). kl_bytes / kl_ranks: with `max_kl`, per fitted patch
         the bytes and the largest block rank kept (0: blind reuse met the target).
     guard_checked / guard_dropped / guard_dropped_bytes: patch components (one layer's key or value
-        patch) the patch guard checked, those it dropped and their bytes (`agentwin.guard`);
+        patch) the patch guard checked, those it dropped and their bytes (`agentwin.patches.guard`);
         guard_fallbacks: patches the guard dropped whole (not better than blind end to end).
     stale_patches: placements served with a patch fitted after another antecedent than the one
         the chunk has now (an origin patch after an eviction, recall or reorder before it; an orbit
@@ -98,7 +98,7 @@ class WindowStats:
     store: object = None  # StoreStats at the last stats() call
 
     def guarded(self, report: object) -> None:
-        """Count one `agentwin.guard.GuardReport`."""
+        """Count one `agentwin.patches.guard.GuardReport`."""
         checked = 2 * len(report.layers)
         kept = sum(len(layer.choice) if layer.choice != "none" else 0 for layer in report.layers)
         self.guard_checked += checked

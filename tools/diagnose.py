@@ -7,7 +7,7 @@ Reports per layer the relative deficit ‖Δ‖/‖KV(B|A)‖ of K and V and the
 the top 8/16/32/64 directions, then next-token KL against a full re-prefill for blind reuse,
 oracle token recompute, each patch method at 1.5–25% of B's KV bytes, and `window`: the patch a
 `Window` at its default settings builds for B after A, its bytes as a share of B's KV and its KL
-(and `window+guard`: the same with the patch guard on, `agentwin.guard`; `window+max_kl`: with a
+(and `window+guard`: the same with the patch guard on, `agentwin.patches.guard`; `window+max_kl`: with a
 KL target instead of a rank, `Window(max_kl=...)`). `--model` takes `smollm2` (the embedded model,
 default) or a local path / hub name that transformers can load.
 """

@@ -16,7 +16,7 @@ def make_window(km: Any, args: Any) -> Any:
     from agentwin import Window
     from agentwin.store import open_store
 
-    from agentwin.policies import PATCH_POLICIES
+    from agentwin.patches.policies import PATCH_POLICIES
 
     store = open_store(args.store, model_fingerprint=km.fingerprint) if args.store else None
     if args.patch not in PATCH_POLICIES:  # exact, survive, refresh: no patch settings
@@ -28,7 +28,7 @@ def make_window(km: Any, args: Any) -> Any:
 def window_option_error(args: Any) -> str | None:
     """What is wrong with the window options together (`--rank`, `--patch-bytes`, `--max-kl`), to be
     refused before a model is loaded; None when they agree."""
-    from agentwin.policies import PATCH_POLICIES
+    from agentwin.patches.policies import PATCH_POLICIES
 
     rank = "exact" if args.rank is None else args.rank
     patch = getattr(args, "patch", "exact")

@@ -162,7 +162,7 @@ class Worker:
             raise BatchError(f"{cfg.model} is a text-only model; video tasks need a vision-language model "
                              "(--model with a local path or Hugging Face id of a Qwen2-VL, Qwen2.5-VL or "
                              "Qwen3-VL checkpoint)")
-        from agentwin.policies import PATCH_POLICIES
+        from agentwin.patches.policies import PATCH_POLICIES
 
         rank = opt.get("rank", cfg.rank)  # the batch's patch_bytes / max_kl hold where the task's rank allows them
         patch = opt.get("patch", cfg.patch)

@@ -291,7 +291,7 @@ class KameraModel:
                      features: Features | None = None, probe: Any = None) -> list[LayerKV]:
         """KV of `chunk` placed at `start` (position units) and token index `first`, read after
         the segments (the in-context or conditioned pass); owned contiguous copies at `start`.
-        probe: an `agentwin.guard.QueryProbe` (its rows the chunk's last ones) that records the
+        probe: an `agentwin.patches.guard.QueryProbe` (its rows the chunk's last ones) that records the
         queries and the next-token logits of those rows (and with `keep_residual` the residual
         stream's squared norm entering each layer, every row: `agentwin.models.residual`)."""
         cache = self.cache(segments_per_layer, first)

@@ -120,7 +120,7 @@ class SegmentCache(Cache):
 
     segments_per_layer[i]: layer i's segments; first: token index where the tail starts;
     specs / layout: the model's RoPE specs and KV layout (the attention places segments with them).
-    probe: None, or an `agentwin.guard.QueryProbe` in which every layer's attention records the
+    probe: None, or an `agentwin.patches.guard.QueryProbe` in which every layer's attention records the
     post-RoPE queries of a few of the forward's rows (the patch guard's probe).
     `SegmentCache.variants` builds a cache for a batched forward whose batch rows read different
     segments (the same tokens after several versions of the KV before them, in one pass over the
@@ -134,7 +134,7 @@ class SegmentCache(Cache):
                              "a cache from another model?")
         super().__init__(layers=[SegmentLayer(segs, first) for segs in segments_per_layer])
         self.specs, self.layout, self.first = tuple(specs), layout, first
-        self.probe: Any = None  # an `agentwin.guard.QueryProbe` the attention fills, or None
+        self.probe: Any = None  # an `agentwin.patches.guard.QueryProbe` the attention fills, or None
 
     @classmethod
     def variants(cls, per_row: Sequence[Sequence[Sequence[Segment]]], first: int, specs: Sequence[RopeSpec],

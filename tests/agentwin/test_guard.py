@@ -1,4 +1,4 @@
-"""The patch guard (`agentwin.guard`) never makes a chunk read worse than blind reuse."""
+"""The patch guard (`agentwin.patches.guard`) never makes a chunk read worse than blind reuse."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentwin import window as window_module
-from agentwin.guard import QueryProbe, guard_patch
+from agentwin.patches.guard import QueryProbe, guard_patch
 from agentwin.models.adapter import KameraModel
 from agentwin.models.kv import relocate_kv
 from agentwin.window import Window

@@ -1,4 +1,4 @@
-"""Survival and its repair (`patch="survive"`, `agentwin.policies.Refresh`), checked against the
+"""Survival and its repair (`patch="survive"`, `agentwin.patches.policies.Refresh`), checked against the
 transformers model's own forward: survivors keep the KV they were computed with, moved by exact
 re-rotation; the repair recomputes the survivors near a change (their KV is then the model's own
 for the new placement) and those too many evictions old, and nothing else."""
@@ -13,7 +13,7 @@ import torch
 
 from agentwin import KameraModel, Window
 from agentwin.models.kv import relocate_kv
-from agentwin.policies import Refresh
+from agentwin.patches.policies import Refresh
 from tests.agentwin.test_exact_window import Hook
 from tests.support import assert_close, forward_growth
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from agentwin.guard import PROBE_ROWS
+from agentwin.patches.guard import PROBE_ROWS
 from agentwin.models.adapter import KameraModel
 from agentwin.window import ChunkId, Text, Window
 from tests.support import assert_close, forward_growth, tolerance, window_step

@@ -1,4 +1,4 @@
-"""The window's patch fits (`agentwin.window_fit`): `max_kl` (a fidelity target instead of a
+"""The window's patch fits (`agentwin.patches.fit`): `max_kl` (a fidelity target instead of a
 rank) and `fit="query"`, checked against the model's own forward."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
+from agentwin.window_config import WindowConfig
 from kamera_core.metrics import kl_divergence
 from tests.agentwin.test_guard import A, B, _km  # the same two chunks and model cache as the guard's tests
 from tests.support import forward_growth, tolerance
@@ -135,7 +136,7 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     included; the values keep the plain fit."""
     import torch
 
-    from agentwin.guard import QueryProbe
+    from agentwin.patches.guard import QueryProbe
     from agentwin.models.conditioned import conditioned_pass
     from kamera_core import fit_metric as fm, patch as kp
 
@@ -362,20 +363,19 @@ def test_patch_settings_are_checked():
 def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
     """The committed evaluation results (`agentwin bench eval`) name the Kamera method chosen on
     validation at a 6% byte cap in most groups; the window's defaults are that method."""
-    import inspect
     import json
     from pathlib import Path
 
     from tools.bench.selection import window_default
-    from agentwin.window_fit import DEFAULT_PATCH_BYTES
+    from agentwin.patches.fit import DEFAULT_PATCH_BYTES
 
     results = Path(__file__).resolve().parents[2] / "docs" / "results"
     chosen = window_default([json.loads((results / f"eval_{n}.json").read_text()) for n in ("binding", "smollm2")])
     from tools.bench.workloads import storage_of
-    from agentwin.window_fit import patch_settings
+    from agentwin.patches.fit import patch_settings
 
     fit, storage = storage_of(chosen["method"].removeprefix("kamera-"))
-    defaults = {k: p.default for k, p in inspect.signature(Window.__init__).parameters.items()}
+    defaults = vars(WindowConfig())
     settings = patch_settings(_km("tiny-llama-gqa"), defaults["rank"], defaults["patch_bytes"], defaults["storage"],
                               defaults["guard"], defaults["max_kl"], defaults["fit"])
     assert (settings.rank, settings.fit, settings.storage) == ("budget", fit, storage), chosen
@@ -385,7 +385,7 @@ def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
 def test_byte_ladder_grows_by_root_two_and_skips_rungs_that_buy_nothing():
     from types import SimpleNamespace
 
-    from agentwin.window_fit import byte_ladder
+    from agentwin.patches.fit import byte_ladder
 
     asked, fits = [], []
 

@@ -139,15 +139,16 @@ def _kv_ptrs(segments_per_layer: Sequence[Sequence[Any]]) -> dict[int, int]:
     return out
 
 
-def _held_ptrs(win: Any) -> set[int]:
-    """Storage of all KV the window and its store's RAM tier hold now."""
+def _held_ptrs(win: Any, chunk_ids: Sequence[Any]) -> set[int]:
+    """Storage of all KV the window and its store's RAM tier hold now for `chunk_ids` (every
+    chunk appended)."""
     from agentwin.store import tensors_to_kv
 
     ptrs = set()
-    for chunk in win._chunks.values():
+    for chunk in map(win.inspect, chunk_ids):
         hit = win.store.get(chunk.key) if win.store.contains(chunk.key) else None
         kvs = [tensors_to_kv(hit[0])] if hit is not None else []
-        kvs += [kv for kv in (chunk.canonical, chunk.held.kv if chunk.held else None) if kv is not None]
+        kvs += [kv for kv in (chunk.canonical, chunk.kv) if kv is not None]
         for kv in kvs:
             for k, v in kv:
                 ptrs.update((k.data_ptr(), v.data_ptr()))
@@ -171,7 +172,7 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
     ids = [win.append(c) for c in contents]
     append_s = time.perf_counter() - t0
     seg = ids[2]
-    q = win._query_ids(query)
+    q = win.query_ids(query)
 
     def evicted_state() -> None:
         if seg in win.chunks():
@@ -187,7 +188,7 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
     segment = _timed(segment_recall, args.repeats, evicted_state)
     # Bytes written: the KV attention reads now, against what was held before the recall.
     evicted_state()
-    held = _held_ptrs(win)
+    held = _held_ptrs(win, ids)
     win.recall(seg)
     logprobs = win.next_token_logprobs(query)
     read = _kv_ptrs(win.segments())
@@ -201,7 +202,7 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
     order = win.chunks()
     at = order.index(seg)
     placed = _placed_copy(km, segments)
-    start = win._span(order)
+    start = win.positions(order)
 
     def materialised() -> None:
         fresh = _placed_copy(km, [[layer[at]] for layer in segments])
@@ -219,7 +220,7 @@ def recall_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
 
     full = _timed(reprefill, args.repeats)
     return {
-        "window_tokens": window_tokens_now, "segment_tokens": int(win._chunks[seg].ids.numel()),
+        "window_tokens": window_tokens_now, "segment_tokens": win.chunk_tokens(seg),
         "chunks": len(order), "append_all_s": append_s,
         "segment": segment, "materialised": mat, "reprefill": full, "query_alone": query_alone,
         "recall_bytes_written": written, "materialised_bytes_written": mat_bytes,
@@ -242,8 +243,8 @@ def decode_part(km: Any, args: argparse.Namespace, log: Callable[[str], None]) -
         win = Window(km, budget_tokens=args.decode_tokens + 1024, patch="none")
         for text in _texts(km, args.decode_tokens, count, seed=300 + count):
             win.append(text)
-        q = win._query_ids(query)
-        start = win._span(win.chunks())
+        q = win.query_ids(query)
+        start = win.positions(win.chunks())
         segments = win.segments()
         dense_parts = _placed_copy(km, segments)
         step_times: dict[str, list[float]] = {"segment": [], "sdpa": []}
@@ -302,9 +303,10 @@ def rss_child(threads: int, quick: bool, rss_chunk_tokens: int, rss_budget_token
     store = ChunkStore(None, ram_bytes=rss_store_mb << 20, model_fingerprint=km.fingerprint)
     win = Window(km, budget_tokens=rss_budget_tokens, patch="origin", rank=16, store=store, guard=False)
     texts = iter(_texts(km, rss_chunk_tokens * (checkpoints[-1] + 40), checkpoints[-1] + 40, seed=500))
-    rows, pending = [], list(checkpoints)
+    rows, pending, appended = [], list(checkpoints), 0
     while pending:
         win.append(next(texts))
+        appended += 1
         evicted = win.stats().evictions
         if evicted // 25 != (evicted - 1) // 25 and evicted:
             log(f"rss: {evicted} chunks evicted")
@@ -315,7 +317,7 @@ def rss_child(threads: int, quick: bool, rss_chunk_tokens: int, rss_budget_token
         s = win.stats()
         rows.append({"checkpoint": pending[0], "evicted": evicted, "rss_mb": current / 1024, "peak_rss_mb": peak / 1024,
                      "window_held_mb": s.held_bytes / 2 ** 20, "store_ram_mb": s.store.ram_bytes / 2 ** 20,
-                     "window_tokens": win.tokens(), "appended": len(win._chunks)})
+                     "window_tokens": win.tokens(), "appended": appended})
         while pending and evicted >= pending[0]:
             pending.pop(0)
     return {"checkpoints": rows, "budget_tokens": rss_budget_tokens, "store_ram_mb": rss_store_mb,

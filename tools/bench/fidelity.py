@@ -21,7 +21,7 @@ A decision is a stale case when the `origin` fit (origin patches after any antec
 some chunk with a patch fitted after another antecedent than the one it has now
 (`WindowStats.stale_patches` grew while the window's KV was read for that decision). At each stale
 case KL(reference || agentwin) is set against KL(reference || blind reuse) at the same decision.
-Stale-patch guards (`agentwin.policies`, e.g. "origin-neighbour", or "origin-similar@0.95" for
+Stale-patch guards (`agentwin.patches.policies`, e.g. "origin-neighbour", or "origin-similar@0.95" for
 that policy at that threshold) are replayed at the headline budget and chosen on the validation
 traces (the doc trace and the hard-case traces); the other traces report the choice. The headline
 figures are those of the window's default policy (`window_policy`): the `origin` fit, or the
@@ -45,7 +45,7 @@ from tools.bench.hard_cases import hard_case, hard_case_names
 from tools.bench.harness import TARGET_KL
 from tools.bench.strategies import AgentwinStrategy, Reprefill
 from tools.bench.trace import Trace, measure, row_of, score, summarize
-from agentwin.policies import SIMILAR
+from agentwin.patches.policies import SIMILAR
 from kamera_core.budget import bytes_per_rank
 
 BUDGETS = (0.015, 0.03, 0.06, 0.12)
@@ -66,7 +66,7 @@ RANK_FIT = {"fit": "svd", "storage": "fp16"}
 DEFAULT_FITS = ("origin", "origin+guard", "origin-residual-int8", "origin-alloc", "origin-output", "origin-svd")
 DEFAULT_FIT = "origin"
 # `origin-similar@t`: the `origin-similar` policy at key-summary cosine threshold t (a sweep; the
-# window's default threshold is `agentwin.policies.SIMILAR`).
+# window's default threshold is `agentwin.patches.policies.SIMILAR`).
 SIMILAR_SWEEP = (0.9, 0.95, 0.98, 0.995)
 # `origin-akin@t`: `origin-similar@t`, and also behind a new neighbour at least as close to the old
 # one as the chunk itself is; at the window's threshold only.
@@ -223,17 +223,15 @@ def guard_strategy(km: Any, guard: str, budget_tokens: int) -> AgentwinStrategy:
 
 def window_default(argument: str) -> Any:
     """The default of `Window(argument=...)` ("patch", "fit", ...)."""
-    import inspect
+    from agentwin.window_config import WindowConfig
 
-    from agentwin.window import Window
-
-    return inspect.signature(Window.__init__).parameters[argument].default
+    return getattr(WindowConfig(), argument)
 
 
 def window_default_patch() -> str:
     """The patch policy a window takes when it is asked for patches without naming a policy
-    (`agentwin.policies.DEFAULT_PATCH_POLICY`; the window's own default, "exact", fits none)."""
-    from agentwin.policies import DEFAULT_PATCH_POLICY
+    (`agentwin.patches.policies.DEFAULT_PATCH_POLICY`; the window's own default, "exact", fits none)."""
+    from agentwin.patches.policies import DEFAULT_PATCH_POLICY
 
     return DEFAULT_PATCH_POLICY
 
@@ -241,7 +239,7 @@ def window_default_patch() -> str:
 def window_policy() -> str:
     """The stale-patch policy of `Window()` at its defaults, named as a candidate of the sweep:
     the fit `origin` when it serves origin patches everywhere, else the guard run that is it."""
-    from agentwin.policies import OriginAkin, OriginSimilar
+    from agentwin.patches.policies import OriginAkin, OriginSimilar
 
     patch = window_default_patch()
     if patch == "origin":

@@ -181,7 +181,7 @@ def render_page(result: dict[str, Any]) -> str:
                "4 bits for the rest, split by the allocator) |"),
               ("| origin-svd | `Window(patch=\"origin\", rank=r, fit=\"svd\", storage=\"fp16\")`: the window's earlier "
                "default fit |"),
-              ("| origin+guard | the same with `guard=True` at every budget (`agentwin.guard`: a patch component kept "
+              ("| origin+guard | the same with `guard=True` at every budget (`agentwin.patches.guard`: a patch component kept "
               "only where it beats blind reuse on the chunk's last rows) |"),
               "| orbit | `Window(patch=\"orbit\", rank=r, fit=\"svd\", storage=\"fp16\")`, no `fit_orbit` orders |",
               "| blind reuse | `Window(patch=\"none\")`: canonical KV re-rotated, no patch |"]

@@ -281,7 +281,7 @@ def window_fit(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_t
     canonical KV plus the stored patch; KL per question against the window's own re-prefill.
     The model's attention implementation is restored afterwards."""
     from agentwin.models.adapter import KameraModel
-    from agentwin.policies import DEFAULT_PATCH_POLICY
+    from agentwin.patches.policies import DEFAULT_PATCH_POLICY
     from agentwin.window import Window
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -295,8 +295,8 @@ def window_fit(model: Any, tokenizer: Any, a_text: str, b_text: str, questions_t
         kls = [kl_divergence(window.reference_logprobs(q), window.next_token_logprobs(q), log_probs=True)
                for q in questions_text]
         stats = window.stats()
-        canonical = window._chunks[b].canonical
-        patch = next(iter(window._chunks[b].patches.values()), None)
+        canonical = window.inspect(b).canonical
+        patch = next(iter(window.inspect(b).patches.values()), None)
     finally:
         model.set_attn_implementation(saved)
     kv_bytes = sum((k.numel() + v.numel()) * 2 for k, v in canonical)  # B's KV at fp16

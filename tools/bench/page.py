@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tools.bench.selection import AMORTISE
-from agentwin.policies import SIMILAR
+from agentwin.patches.policies import SIMILAR
 
 UNIT_NAMES = {"bytes_frac": "bytes", "compute_frac": "compute at reuse"}
 

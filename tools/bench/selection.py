@@ -42,7 +42,7 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
     answers right too (the others are the model's own error, which blind reuse missed). Kamera
     rows that carry the item's antecedent `similarity` (the cosine of the key summaries of A′ and
     of the A the patch was fitted after) and `own_similarity` (of B's and A's) are also read as the
-    window's stale-patch guards would serve them (`agentwin.policies`: `origin-similar`, the patch
+    window's stale-patch guards would serve them (`agentwin.patches.policies`: `origin-similar`, the patch
     where the cosine is at least `SIMILAR`; `origin-akin`, also where it is at least B's own;
     blind reuse elsewhere): `guarded[policy]` with `kept` (items served the patch), `acc`, `gap`,
     `lost_to_blind` and `worse_kl_than_blind`."""
@@ -95,7 +95,7 @@ def summarise(rows: Sequence[dict], group: Sequence[str]) -> list[dict]:
 def _add_guarded(s: dict, pairs: Sequence[tuple[dict, dict]]) -> None:
     """The stale-patch guards' figures of one summary row from (row, blind row) pairs of the same
     items: `guarded[policy]` for `origin-similar` and `origin-akin` at the window's threshold."""
-    from agentwin.policies import SIMILAR, serves_akin
+    from agentwin.patches.policies import SIMILAR, serves_akin
 
     tests = {"origin-similar": lambda r: r["similarity"] >= SIMILAR,
              "origin-akin": lambda r: serves_akin(r["similarity"], r.get("own_similarity", 2.0))}

@@ -9,7 +9,7 @@ Strategies (each replays the identical operations; `tools.bench.strategies`):
 - `default`: `agentwin.Window` at its defaults (exact);
 - `survive`: survivors keep their KV, moved by RoPE re-rotation (StreamingLLM-style, the pinned
   system head as the sink);
-- `refresh`: survival with the repair of `agentwin.policies.Refresh` (survivors near a change and
+- `refresh`: survival with the repair of `agentwin.patches.policies.Refresh` (survivors near a change and
   those too many evictions old recomputed), its setting chosen on the validation split;
 - `blind`, `origin`, `origin-akin`, `orbit`, `fresh`: canonical KV with the patch policies, at the
   window's patch defaults (6% of each chunk's KV bytes); origin-akin's byte budget is also swept
@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 from tools.bench.prefix_cache import PrefixCache
 from tools.bench.strategies import Reprefill, Strategy, WindowStrategy
 from tools.bench.trace import Run, Trace, measure, row_of, score, summarize
-from agentwin.policies import Refresh
+from agentwin.patches.policies import Refresh
 
 STRATEGIES = ("prefix", "default", "survive", "refresh", "blind", "origin", "origin-akin", "orbit", "fresh")
 TIMED = ("prefix", "default")  # replayed `repeats` times for their wall time (the targets' ratio)

@@ -401,16 +401,16 @@ class AgentwinStrategy(Strategy):
                  budget_tokens: int = 8192, guard: bool | str = False, similar: float | None = None,
                  **window_args: Any) -> None:
         super().__init__(km)
-        from agentwin.policies import POLICY_TYPES, OriginAkin, OriginSimilar
+        from agentwin.patches.policies import OriginAkin, OriginSimilar
         from agentwin.window import Window
+        from tools.bench.stale_guards import policy_named
 
         self.name = name
-        policy: Any = patch
-        if similar is not None:  # `origin-similar` / `origin-akin` at another threshold than the window's default
-            if patch not in (OriginSimilar.name, OriginAkin.name):
-                raise ValueError(f"similar= is a threshold of patch={OriginSimilar.name!r} or {OriginAkin.name!r}, "
-                                 f"not of {patch!r}")
-            policy = POLICY_TYPES[patch](similar)  # a configured policy object, as Window(patch=...) takes
+        if similar is not None and patch not in (OriginSimilar.name, OriginAkin.name):
+            raise ValueError(f"similar= is a threshold of patch={OriginSimilar.name!r} or {OriginAkin.name!r}, "
+                             f"not of {patch!r}")
+        # a configured policy object where a threshold or a study's guard is asked for, as Window(patch=...) takes
+        policy = policy_named(patch, *([] if similar is None else [similar]))
         self.window = Window(km, budget_tokens=budget_tokens, patch=policy, rank=rank, guard=guard, **window_args)
         self._id: dict[int, Any] = {}
         self.stale: list[int] = []  # per decision: placements served with a stale patch

@@ -186,7 +186,7 @@ def binding_item_rows(model: Any, tok: Any, r: Any, plan, tags: dict) -> list[di
     ctx = cx.build_context(model, [cx.text_chunk(a), cx.text_chunk(b)], [q])
     fit_a = cx.text_chunk(torch.tensor(tok.encode(r.a_fit, True)))
     conds = [None, *ek.conditionings(model, [fit_a, ctx.chunks[1]], [None, ctx.canonical[1]])]
-    # What the window's stale-patch guards read (`agentwin.policies`): the cosine of the key
+    # What the window's stale-patch guards read (`agentwin.patches.policies`): the cosine of the key
     # summaries of A′ and of the A the patch was fitted after (encoded alone), and of B's and A's.
     old = key_summary(cx.encode_alone(model, fit_a))[None]
     similarity = float(layer_cosine(key_summary(ctx.canonical[0]), old)[0])

@@ -91,7 +91,7 @@ def _window_patch(km: Any, case: HardCase, budget: float) -> tuple[Any, Any, lis
     window, b = _served(km, case, rank="budget", patch_bytes=budget * 2 / held_itemsize)
     kls = [kl_divergence(window.reference_logprobs(q), window.next_token_logprobs(q), log_probs=True)
            for q in case.questions]  # reads the stored patch back
-    patch = next(iter(window._chunks[b].patches.values()))
+    patch = next(iter(window.inspect(b).patches.values()))
     return window, patch, kls
 
 
@@ -145,7 +145,7 @@ def measure_case(km: Any, model: Any, bf16: Any, case: HardCase, budget: float =
     window, patch, window_kls = _window_patch(km, case, budget)
     chunks, queries = case_inputs(window, case)
     ctx = cx.build_context(model, chunks, queries, greedy=GREEDY)
-    canonical = window._hold(window._chunks[window.chunks()[1]])
+    canonical = window.canonical_kv(window.chunks()[1])
     canon_diff = max(float((x.float() - y.float()).abs().max())
                      for a, b in zip(canonical, ctx.canonical[1]) for x, y in zip(a, b))
     low = cx.build_context(bf16, chunks, queries, greedy=GREEDY)

@@ -42,7 +42,7 @@ FP16 = {"fit": "svd", "storage": "fp16"}  # the rank-based rows: the window's fi
 
 
 def _served(km: Any, case: HardCase, **window_args: Any) -> tuple[Any, int]:
-    from agentwin.policies import DEFAULT_PATCH_POLICY
+    from agentwin.patches.policies import DEFAULT_PATCH_POLICY
     from agentwin.window import Window
 
     window = Window(km, budget_tokens=1 << 20, **{"patch": DEFAULT_PATCH_POLICY, **window_args})
@@ -84,7 +84,7 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
     window, b = _served(km, case, patch="none")
     references = [window.reference_logprobs(q) for q in case.questions]
     blind = _kl(window, case, references)
-    k, v = window._chunks[b].canonical[0]
+    k, v = window.inspect(b).canonical[0]
     tokens, layers = int(k.shape[0]), len(km.specs)
     kv_bytes = layers * tokens * (k[0].numel() + v[0].numel()) * 2
     row: dict[str, Any] = {"case": case.name, "b_tokens": tokens, "blind": blind, "budgets": []}
@@ -97,7 +97,7 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
     for budget in budgets:
         rank = rank_for(budget, tokens, k[0].numel(), v[0].numel(), layers)
         entry: dict[str, Any] = {"budget": budget, "rank": rank}
-        held = sum(x.numel() * x.element_size() for kv in window._chunks[b].canonical for x in kv)
+        held = sum(x.numel() * x.element_size() for kv in window.inspect(b).canonical for x in kv)
         by_bytes = {"rank": "budget", "patch_bytes": budget * kv_bytes / held}  # the same bytes, as the window counts
         for name, settings in (("svd", {"rank": rank, "guard": False, **FP16}),
                                ("guard", {"rank": rank, "guard": True, **FP16}),
@@ -107,7 +107,7 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
                                ("window+guard", {**by_bytes, "guard": True})):
             window, b = _served(km, case, **settings)
             kl = _kl(window, case, references)  # reads the stored patch back
-            patch = next(iter(window._chunks[b].patches.values()))
+            patch = next(iter(window.inspect(b).patches.values()))
             stats = window.stats()
             entry[name] = {"kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                            "fallback": bool(stats.guard_fallbacks), "kept": stats.guard_checked - stats.guard_dropped,
@@ -129,7 +129,7 @@ def measure_case(km: Any, case: HardCase, budgets: Sequence[float] = BUDGETS, bf
                                            **FP16})):
         window, b = _served(km, case, max_kl=target, **settings)
         kl = _kl(window, case, references)
-        patch = next(iter(window._chunks[b].patches.values()))
+        patch = next(iter(window.inspect(b).patches.values()))
         stats = window.stats()
         row[key] = {"target": target, "kl": kl, "bytes_frac": patch.nbytes / kv_bytes,
                     "ranks_kept": list(stats.kl_ranks), "probe_forwards": stats.forwards["guard"],

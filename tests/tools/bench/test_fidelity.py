@@ -9,8 +9,9 @@ import torch
 
 from tools.bench import fidelity as fid
 from tools.bench.fidelity_page import render_page
+from tools.bench.stale_guards import policy_named
 from tools.bench.strategies import AgentwinStrategy
-from agentwin.policies import SIMILAR, OriginSimilar
+from agentwin.patches.policies import SIMILAR, OriginSimilar
 from tools.bench.trace import Trace
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Text, Window
@@ -28,7 +29,12 @@ def km() -> KameraModel:
 
 
 def _window(km: KameraModel, patch: str, rank: int | None = 4, **window_args) -> tuple[Window, list]:
-    win = Window(km, budget_tokens=4096, patch=patch, rank=rank, **window_args)
+    win = Window(km, budget_tokens=4096, patch=policy_named(patch), rank=rank, **window_args)
+    return win, [win.append(Text(TEXTS[c])) for c in (0, 1, 2)]
+
+
+def _configured(km: KameraModel, patch: str, threshold: float) -> tuple[Window, list]:
+    win = Window(km, budget_tokens=4096, patch=policy_named(patch, threshold), rank=4)
     return win, [win.append(Text(TEXTS[c])) for c in (0, 1, 2)]
 
 
@@ -116,11 +122,7 @@ def _new_neighbour_window(km, patch: str, threshold: float | None):
     """The window [a, b, c] under `patch` (at `threshold` where given), the key summaries of the
     three texts computed here, and the cosine of c's neighbour after b's eviction (a) with its
     neighbour at its origin (b)."""
-    from agentwin.policies import POLICY_TYPES
-
-    win, (a, b, c) = _window(km, patch)
-    if threshold is not None:
-        win._policy = POLICY_TYPES[patch](threshold)
+    win, (a, b, c) = _window(km, patch) if threshold is None else _configured(km, patch, threshold)
     summary = {x: km.key_summary(km.tokenize(TEXTS[i])) for i, x in enumerate((a, b, c))}
     return win, (a, b, c), summary, _cosine(summary[a], summary[b])
 
@@ -272,7 +274,7 @@ def test_origin_akin_serves_the_patch_behind_a_neighbour_as_close_as_the_chunk_i
 
 
 def test_serves_akin_is_the_threshold_or_the_chunks_own_cosine():
-    from agentwin.policies import serves_akin
+    from agentwin.patches.policies import serves_akin
 
     assert serves_akin(0.95, 0.99, 0.95) and serves_akin(0.5, 0.4, 0.95) and serves_akin(0.4, 0.4, 0.95)
     assert not serves_akin(0.9, 0.98, 0.95) and not serves_akin(-0.2, 0.1, 0.95)

@@ -237,7 +237,7 @@ def test_window_default_is_the_lowest_mean_validation_rank_not_the_most_votes():
 
 
 def test_binding_items_are_also_read_behind_the_windows_stale_patch_guards():
-    from agentwin.policies import SIMILAR
+    from agentwin.patches.policies import SIMILAR
 
     def row(method, item, kl, correct, similarity, own):
         return {"split": "test", "condition": "other-list", "set": 0, "item": item, "method": method, "setting": "",

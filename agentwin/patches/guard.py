@@ -219,7 +219,7 @@ def fit_to_kl(km: Any, stats: Any, ids: torch.Tensor, canonical: Sequence[tuple[
     """The patch of a text chunk for a fidelity target instead of a rank (`Window(max_kl=...)`).
 
     Measured on the probe rows end to end (`tail_kl`: their next-token KL against the chunk's own
-    pass): blind reuse first; then each patch of `rungs` in turn (`agentwin.window_fit`: the
+    pass): blind reuse first; then each patch of `rungs` in turn (`agentwin.patches.fit`: the
     window's allocator fit within its byte budget, √2 times that, and so on; or, for the one-rank
     fits, the plain fit at the window's rank, twice that, and so on), stopping at the first whose
     KL is at most `max_kl`. `rungs` is read lazily, so a chunk blind reuse already serves costs no

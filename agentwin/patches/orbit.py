@@ -12,9 +12,16 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
+from agentwin.models.kv import LayerKV
 from kamera_core import patch as kp
 
-LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+@dataclass(frozen=True, slots=True)
+class OrbitFit:
+    """An orbit's patch, and whether it was fitted by this call (else the cached fit)."""
+
+    patch: kp.ChunkPatch
+    fitted: bool
 
 
 @dataclass(slots=True)
@@ -42,13 +49,13 @@ class Orbit:
                 sv += dv.float()
         self.patch = None
 
-    def fit(self, ranks: Any, storage: str) -> tuple[kp.ChunkPatch, bool]:
+    def fit(self, ranks: Any, storage: str) -> OrbitFit:
         """The fit of the mean deficit at `ranks` (an int for every layer, or a function of the
-        mean deficit giving per layer (K rank, V rank)), and whether it was fitted now (not cached)."""
+        mean deficit giving per layer (K rank, V rank))."""
         if self.patch is not None:
-            return self.patch, False
+            return OrbitFit(self.patch, False)
         n = len(self.seen)
         mean = [(k / n, v / n) for k, v in self.sums]
         layer_ranks = [(ranks, ranks)] * len(mean) if isinstance(ranks, int) else ranks(mean)
         self.patch = kp.build_patch(mean, layer_ranks, "svd", storage=storage)
-        return self.patch, True
+        return OrbitFit(self.patch, True)

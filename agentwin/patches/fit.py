@@ -35,9 +35,9 @@ settings (`PatchSettings`):
   `rank="budget"` and the allocator fits alloc / output* / residual only), "auto" (mixed where
   the allocator sets the ranks, int8 where one rank is set for every layer), "fp16", "bf16" or
   "fp32";
-- then the patch guard (`agentwin.guard.guard_chunk`; `guard="auto"`, the default, turns it on
+- then the patch guard (`agentwin.patches.guard.guard_chunk`; `guard="auto"`, the default, turns it on
   below a 6% byte budget and for rank=N windows, see `GUARD_BELOW`) or `max_kl`
-  (`agentwin.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, √2
+  (`agentwin.patches.guard.fit_to_kl`: blind reuse, then the window's own fit within `patch_bytes`, √2
   times that and so on up to the chunk's canonical bytes, `byte_ladder`, until the chunk's last rows
   reach the target; with one rank set for every layer, or the one-rank fits svd / query, the
   plain fit at that rank, doubled per rung, `rank_ladder`); the guard study
@@ -58,7 +58,8 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agentwin.guard import QueryProbe, fit_to_kl, guard_chunk
+from agentwin.patches.guard import QueryProbe, fit_to_kl, guard_chunk
+from agentwin.patches.host import Host, Probed
 from agentwin.models import residual
 from agentwin.models.kv import relocate_kv
 from kamera_core import budget as kb, fit_metric as fm, mixed, patch as kp
@@ -171,25 +172,25 @@ def budget_bytes(fraction: float, held: Any) -> int:
     return int(fraction * sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in held))
 
 
-def _bytes(window: Any, tokens: int, features: list[tuple[int, int]], held: Any) -> int:
+def _bytes(s: PatchSettings, tokens: int, features: list[tuple[int, int]], held: Any) -> int:
     """The patch's bytes: the byte budget, or those of the window's rank in every layer."""
-    if window.rank == BUDGET:
-        return budget_bytes(window.patch_bytes, held)
-    return window.rank * sum(kb.bytes_per_rank(tokens, fk, window.storage) + kb.bytes_per_rank(tokens, fv, window.storage)
-                             for fk, fv in features)
+    if s.rank == BUDGET:
+        return budget_bytes(s.patch_bytes, held)
+    return s.rank * sum(kb.bytes_per_rank(tokens, fk, s.storage) + kb.bytes_per_rank(tokens, fv, s.storage)
+                        for fk, fv in features)
 
 
 def _shape(deltas: list) -> tuple[int, list[tuple[int, int]]]:
     return int(deltas[0][0].shape[0]), [(dk[0].numel(), dv[0].numel()) for dk, dv in deltas]
 
 
-def layer_ranks(window: Any, deltas: list, held: Any) -> list[tuple[int, int]]:
+def layer_ranks(s: PatchSettings, deltas: list, held: Any) -> list[tuple[int, int]]:
     """Per layer (K rank, V rank) with one rank everywhere: the window's rank, or the largest
     whose patch fits its byte budget."""
-    if window.rank != BUDGET:
-        return [(window.rank, window.rank)] * len(deltas)
+    if s.rank != BUDGET:
+        return [(s.rank, s.rank)] * len(deltas)
     tokens, features = _shape(deltas)
-    return kb.budget_ranks(tokens, features, _bytes(window, tokens, features, held), one_rank_storage(window.storage))
+    return kb.budget_ranks(tokens, features, _bytes(s, tokens, features, held), one_rank_storage(s.storage))
 
 
 def one_rank_storage(storage: str) -> str:
@@ -198,12 +199,12 @@ def one_rank_storage(storage: str) -> str:
     return "int8" if storage == kb.MIXED else storage
 
 
-def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = None, exponent: float = 1.0,
+def allocator_fit(s: PatchSettings, deltas: list, held: Any, metrics: list | None = None, exponent: float = 1.0,
                   value_metrics: list | None = None, norms: list | None = None) -> Callable[[int], kp.ChunkPatch]:
     """One decomposition per layer's K and V deficit (`kamera_core.fit_batch.fit_with_gains_batch`);
     returns `at(budget_bytes)`, the patch the allocator builds from it within those bytes: the
     ranks spread by `kamera_core.budget.budget_ranks` on the singular values, each block's gains
-    normalised by its energy, its factors truncated to its rank and stored as `window.storage`
+    normalised by its energy, its factors truncated to its rank and stored as `s.storage`
     (under "mixed", `kamera_core.mixed.mixed_patch` also splits them into int8 and 4-bit ones).
     With `metrics` (per layer the K output metric, fit="output"): K fitted in it, so a layer's K
     and V gains share one unit (its attention output's error), and both are normalised by the
@@ -216,7 +217,7 @@ def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = N
     ks = [None] * len(deltas) if metrics is None else metrics
     vs = [None] * len(deltas) if value_metrics is None else value_metrics
     fits = fit_with_gains_batch([d for pair in deltas for d in pair], [m for pair in zip(ks, vs) for m in pair],
-                                precision_for(window.storage))
+                                precision_for(s.storage))
     full = list(zip(fits[0::2], fits[1::2]))
     if metrics is None:
         gains = [((gk, ek), (gv, ev)) for (_, gk, ek), (_, gv, ev) in full]
@@ -224,14 +225,14 @@ def allocator_fit(window: Any, deltas: list, held: Any, metrics: list | None = N
         if norms is None:
             norms = [fm.layer_normaliser(hv, exponent) for _, hv in held]
         gains = [((gk, n), (gv, n)) for ((_, gk, _), (_, gv, _)), n in zip(full, norms)]
-    name = "alloc" if metrics is None else window.fit
+    name = "alloc" if metrics is None else s.fit
     factors = [(fk, fv) for (fk, _, _), (fv, _, _) in full]
 
     def at(budget: int) -> kp.ChunkPatch:
-        if window.storage == kb.MIXED:
+        if s.storage == kb.MIXED:
             return mixed.mixed_patch(factors, gains, list(zip(ks, vs)), budget, name)
-        ranks = kb.budget_ranks(tokens, features, budget, window.storage, gains)
-        return kp.truncated_patch(factors, ranks, name, window.storage)
+        ranks = kb.budget_ranks(tokens, features, budget, s.storage, gains)
+        return kp.truncated_patch(factors, ranks, name, s.storage)
 
     return at
 
@@ -244,29 +245,27 @@ def output_metrics(km: Any, probe: Any, start: int, held: Any, value_metrics: li
     return [fm.output_metric(mk, hv, mv) for (mk, _), (_, hv), mv in zip(query_metrics(km, probe, start), held, vs)]
 
 
-def residual_fit(window: Any, deltas: list, held: Any, probe: Any, start: int) -> Callable[[int], kp.ChunkPatch]:
+def residual_fit(km: Any, s: PatchSettings, deltas: list, held: Any, probe: Any,
+                 start: int) -> Callable[[int], kp.ChunkPatch]:
     """fit="residual" (`allocator_fit`'s `at`): the allocator on each layer's K and V error where
     it lands in the residual stream (V in its output projection's metric,
     `kamera_core.fit_metric.projection_metric`; K in the query metric scaled by the values' spread in
     it), relative to Σ ||h||² over the chunk's rows entering the layer in the pass
     (`agentwin.models.residual`)."""
-    km = window.km
     vms = residual.projection_metrics(km.model, km.layout.num_kv_heads, km.layout.value_dim)
     norms = residual.residual_norms(probe.residual, len(deltas))
-    return allocator_fit(window, deltas, held, output_metrics(km, probe, start, held, vms), value_metrics=vms,
-                         norms=norms)
+    return allocator_fit(s, deltas, held, output_metrics(km, probe, start, held, vms), value_metrics=vms, norms=norms)
 
 
-def allocated(window: Any, deltas: list, held: Any, probed: tuple | None, start: int,
+def allocated(km: Any, s: PatchSettings, deltas: list, held: Any, probed: Probed | None, start: int,
               text: bool) -> Callable[[int], kp.ChunkPatch]:
     """`at(budget_bytes)` of the window's allocator fit (`fit` one of ALLOCATING): the residual or
     output metrics where the pass recorded the chunk's queries (text chunks), else plain "alloc"."""
-    if window.fit == RESIDUAL and probed is not None and text:
-        return residual_fit(window, deltas, held, probed[1], start)
-    if window.fit in fm.OUTPUT_FITS and probed is not None and text:
-        return allocator_fit(window, deltas, held, output_metrics(window.km, probed[1], start, held),
-                             fm.OUTPUT_FITS[window.fit])
-    return allocator_fit(window, deltas, held)
+    if s.fit == RESIDUAL and probed is not None and text:
+        return residual_fit(km, s, deltas, held, probed.probe, start)
+    if s.fit in fm.OUTPUT_FITS and probed is not None and text:
+        return allocator_fit(s, deltas, held, output_metrics(km, probed.probe, start, held), fm.OUTPUT_FITS[s.fit])
+    return allocator_fit(s, deltas, held)
 
 
 LADDER_STEP = math.sqrt(2)  # growth of `byte_ladder`'s budgets from one rung to the next
@@ -307,43 +306,39 @@ def rank_ladder(deltas: list, rank: int, storage: str) -> Iterator[kp.ChunkPatch
         r = min(2 * r, cap)
 
 
-def alloc_patch(window: Any, deltas: list, held: Any, probed: tuple | None, start: int, text: bool) -> kp.ChunkPatch:
-    """The window's allocator fit (`allocated`) within its bytes."""
-    tokens, features = _shape(deltas)
-    return allocated(window, deltas, held, probed, start, text)(_bytes(window, tokens, features, held))
-
-
-def fit_patch(window: Any, chunk: Any, antecedent: tuple, exact: list, start: int, probed: tuple | None) -> kp.ChunkPatch:
-    """The patch of `chunk` after `antecedent` from its KV computed there (`exact`, at `start`);
-    `probed` is what the pass recorded (`(segments, QueryProbe, first)`, or None)."""
+def fit_patch(host: Host, chunk: Any, exact: list, start: int, probed: Probed | None,
+              measured: Callable[[list], None]) -> kp.ChunkPatch:
+    """The patch of `chunk` from its KV computed after an antecedent (`exact`, at `start`), by the
+    window's settings; `probed` is what the pass recorded, or None. `measured` is told the
+    deficit first (the orbit policy sums them)."""
     t0 = time.perf_counter()
-    km, stats = window.km, window._stats
-    held = window._hold(chunk)
+    km, stats, s = host.km, host.stats, host.settings
+    held = host.canonical(chunk)
     local = relocate_kv(exact, km.specs, km.layout, -start)
     deltas = kp.deficit(local, held)
-    window._policy.measured(window, chunk, antecedent, deltas)
+    measured(deltas)
     text = chunk.inputs.kind == "text"
-    if window.rank is None:
+    tokens, features = _shape(deltas)
+    if s.rank is None:
         patch = kp.exact_patch(deltas)
-    elif window.max_kl is not None and probed is not None and text:
-        if window.rank == BUDGET and window.fit in ALLOCATING:  # the window's own fit, its bytes ×√2 per rung
-            rungs = byte_ladder(lambda: allocated(window, deltas, held, probed, start, text),
-                                budget_bytes(window.patch_bytes, held), budget_bytes(1.0, held))
+    elif s.max_kl is not None and probed is not None and text:
+        if s.rank == BUDGET and s.fit in ALLOCATING:  # the window's own fit, its bytes ×√2 per rung
+            rungs = byte_ladder(lambda: allocated(km, s, deltas, held, probed, start, text),
+                                budget_bytes(s.patch_bytes, held), budget_bytes(1.0, held))
         else:
-            first = max(1, layer_ranks(window, deltas, held)[0][0])
-            rungs = rank_ladder(deltas, first, one_rank_storage(window.storage))
-        patch = fit_to_kl(km, stats, chunk.ids, held, rungs, window.max_kl, start, *probed)
+            first = max(1, layer_ranks(s, deltas, held)[0][0])
+            rungs = rank_ladder(deltas, first, one_rank_storage(s.storage))
+        patch = fit_to_kl(km, stats, chunk.ids, held, rungs, s.max_kl, start, probed.before, probed.probe, probed.first)
     else:
-        if window.fit in ALLOCATING:
-            patch = alloc_patch(window, deltas, held, probed, start, text)
+        if s.fit in ALLOCATING:
+            patch = allocated(km, s, deltas, held, probed, start, text)(_bytes(s, tokens, features, held))
         else:
-            metrics = query_metrics(km, probed[1], start) if window.fit == "query" and probed is not None and text else None
-            patch = kp.build_patch(deltas, layer_ranks(window, deltas, held), window.fit, metrics=metrics,
-                                   storage=window.storage)
-        if probed is not None and window.guard:
-            patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, held, patch, exact, start, *probed)
+            metrics = query_metrics(km, probed.probe, start) if s.fit == "query" and probed is not None and text else None
+            patch = kp.build_patch(deltas, layer_ranks(s, deltas, held), s.fit, metrics=metrics, storage=s.storage)
+        if probed is not None and s.guard:
+            patch = guard_chunk(km, stats, chunk.inputs.kind, chunk.ids, held, patch, exact, start, probed.before,
+                                probed.probe, probed.first)
     stats.patch_bytes += patch.nbytes
     stats.patched_kv_bytes += budget_bytes(1.0, held)
     stats.seconds["fit_patch"] += time.perf_counter() - t0
     return patch
-

@@ -31,6 +31,9 @@
 Progress: with `progress=True`, a bar on a terminal; elsewhere (a log file, a pipe) one plain line
 per step on stderr.
 
+On a window that evicts by relevance (`Window(evict="relevant")`), the budget drops the chunks
+least like the task first (`Window.relevant_to(task)`, set when the run starts).
+
 With `keep_relevant`, the observation closest to the task is kept in view: after each new
 observation, the earlier observation whose chunks' key summaries are closest to the task text
 (`Window.nearest`, the task encoded once per run) is recalled, just before the new one, when it is
@@ -162,6 +165,8 @@ class AgentLoop:
         if hasattr(self.decider, "use_actions"):
             arguments = self.env.action_arguments() if hasattr(self.env, "action_arguments") else {}
             self.decider.use_actions(self.env.actions(), arguments, window=self.window)
+        if getattr(self.window, "eviction", None) == "relevant":
+            self.window.relevant_to(self.task)  # the budget drops what is least like the task first
         progress = Progress(self.max_steps, self.env.name, self.progress)
         stopped, answer, notice = "step limit", None, None
         try:
@@ -268,28 +273,18 @@ class AgentLoop:
 
     def _bring_back(self, chunk_ids: list[int], record: StepRecord, before: list[int] | None = None) -> None:
         """Recall `chunk_ids` at the window's end, or just before the chunks `before`. Room for all
-        of them is made first by evicting the other chunks oldest first (never `before`, and never
-        another part of the same observation); a window that still refuses has its oldest other
-        chunks evicted here."""
-        keep = set(self._by_key_of(chunk_ids[0])) | set(before or ()) | ({self._head} if self._head is not None else set())
+        of them is made first by the window's eviction policy (`Window.slide`), keeping `before`,
+        the head and the other parts of the same observation; when those leave too little room,
+        the other parts of the observation may go too."""
+        protect = set(before or ()) | ({self._head} if self._head is not None else set())
         needed = sum(self._tokens.get(c, 0) for c in chunk_ids)
-        while self.window.tokens() + needed > int(self.window.budget_tokens):
-            others = [c for c in self.window.chunks() if c not in keep]
-            if not others:
-                break
-            self.window.evict(others[0])
+        try:
+            self.window.slide(needed, keep=protect | set(self._by_key_of(chunk_ids[0])))
+        except ValueError:
+            self.window.slide(needed, keep=protect)  # raises, nothing evicted, when even that cannot fit
         for cid in chunk_ids:
-            while True:
-                try:
-                    at = self.window.chunks().index(before[0]) if before else len(self.window.chunks())
-                    self.window.recall(cid, at=at)
-                    break
-                except ValueError:
-                    victims = [c for c in self.window.chunks() if c not in chunk_ids and c not in (before or ())
-                               and c != self._head]
-                    if not victims:
-                        raise
-                    self.window.evict(victims[0])
+            at = self.window.chunks().index(before[0]) if before else len(self.window.chunks())
+            self.window.recall(cid, at=at, keep=protect | set(chunk_ids))
             self._present.add(cid)
         record.recalled_tokens += sum(self._tokens.get(c, 0) for c in chunk_ids)
         record.recalled = self._labels(chunk_ids)

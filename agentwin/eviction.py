@@ -1,15 +1,15 @@
 """Which unpinned chunks the window's budget drops first: the eviction policy, one small interface.
 
 The window tells its policy when a chunk is used (appended, recalled, touched) and when it leaves,
-and asks it for victims when more tokens must fit. `Fifo` drops the first chunks in window order;
-`Lru` the least recently used. Pinned chunks are never chosen. An agent that keeps what its task
-needs (`agents.loop.AgentLoop(keep_relevant=True)`) touches those chunks before a step, so LRU
-keeps them.
+and asks it for victims when more tokens must fit (`plan`). `Fifo` drops the first chunks in
+window order; `Lru` the least recently used; `Relevant` the least relevant to a target (the key
+summaries' cosine with a query, `Window.relevant_to`), so what a task needs stays in view.
+Pinned chunks, and those a caller asks to keep for one operation, are never chosen.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 
 class Fifo:
@@ -29,19 +29,19 @@ class Fifo:
 
     def plan(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int], pinned: set, incoming: int,
              budget: int) -> list[Hashable]:
-        """Chunks to evict, unpinned, in `ranked` order, until `incoming` more tokens fit within
-        `budget`. ValueError, with nothing changed, when the pinned chunks leave too little room."""
+        """Chunks to evict, unpinned (not in `pinned`), in `ranked` order, until `incoming` more
+        tokens fit within `budget`. ValueError, with nothing changed, when the pinned chunks leave
+        too little room."""
         excess = sum(sizes[c] for c in order) + incoming - budget
         victims = []
-        for chunk in self.ranked(order):
+        for chunk in self.ranked([c for c in order if c not in pinned]):
             if excess <= 0:
                 break
-            if chunk not in pinned:
-                victims.append(chunk)
-                excess -= sizes[chunk]
+            victims.append(chunk)
+            excess -= sizes[chunk]
         if excess > 0:
             raise ValueError(f"no room for {incoming} more tokens within budget_tokens={budget}: "
-                             "the pinned chunks take the rest; unpin one or raise the budget")
+                             "the pinned (or kept) chunks take the rest; unpin one or raise the budget")
         return victims
 
 
@@ -65,11 +65,31 @@ class Lru(Fifo):
         return sorted(order, key=lambda c: self._used.get(c, 0))
 
 
-EVICTIONS = {"fifo": Fifo, "lru": Lru}
+class Relevant(Fifo):
+    """Least relevant first: `score(order)` gives each chunk's relevance (higher is kept longer),
+    ties in window order. Before a target is set (`target`) it is FIFO."""
+
+    name = "relevant"
+
+    def __init__(self) -> None:
+        self.score: Callable[[Sequence[Hashable]], Mapping[Hashable, float]] | None = None
+
+    def target(self, score: Callable[[Sequence[Hashable]], Mapping[Hashable, float]] | None) -> None:
+        """Rank by `score` from now on (None: FIFO again)."""
+        self.score = score
+
+    def ranked(self, order: Sequence[Hashable]) -> list[Hashable]:
+        if self.score is None or not order:
+            return list(order)
+        scores = self.score(order)
+        return [c for _, c in sorted(enumerate(order), key=lambda ic: (scores[ic[1]], ic[0]))]
+
+
+EVICTIONS = {"fifo": Fifo, "lru": Lru, "relevant": Relevant}
 
 
 def make_eviction(name: str) -> Fifo:
-    """The eviction policy `name` ("fifo" or "lru"); ValueError names the choices."""
+    """The eviction policy `name` ("fifo", "lru" or "relevant"); ValueError names the choices."""
     if name not in EVICTIONS:
         raise ValueError(f"evict must be one of {tuple(EVICTIONS)}, got {name!r}")
     return EVICTIONS[name]()

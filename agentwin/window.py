@@ -26,9 +26,10 @@ patches). Attention applies the shift to the few query rows instead of the keys
 (`agentwin.models.segments`), so placing, moving and recalling write no KV bytes. Where a
 placement's exact KV is stored, every policy serves it.
 
-Eviction (`evict="fifo"` or `"lru"`): when an append or a recall would pass `budget_tokens`, the
-window evicts unpinned chunks, oldest first (FIFO: order in the window; LRU: the chunk appended,
-recalled or `touch`ed least recently) until the new one fits; `slide()` does the same on demand.
+Eviction (`evict="fifo"`, `"lru"` or `"relevant"`, `agentwin.eviction`): when an append or a
+recall would pass `budget_tokens`, the window evicts unpinned chunks until the new one fits: the
+first in window order (FIFO), the one appended, recalled or `touch`ed least recently (LRU), or the
+least relevant to the query given to `relevant_to`; `slide()` does the same on demand.
 An evicted chunk leaves nothing in the window but its key and small metadata: its KV stays in the
 store's tiers under the store's budgets.
 """
@@ -36,7 +37,6 @@ store's tiers under the store's budgets.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -48,7 +48,7 @@ from agentwin.models.kv import LayerKV
 from agentwin.patches.fit import patch_settings
 from agentwin.prefix import PrefixIndex, root_key
 from agentwin.store import ChunkKey, ChunkStore
-from agentwin.window_chunk import ChunkId, ChunkRecord, ChunkView, check_invariants, held_bytes, timed
+from agentwin.window_chunk import ChunkId, ChunkRecord, ChunkView, Reading, check_invariants, held_bytes, timed
 from agentwin.window_config import WindowConfig
 from agentwin.window_engine import PolicyHost, WindowEngine
 from agentwin.window_io import WindowIO
@@ -162,10 +162,11 @@ class Window(WindowEngine):
         self._stats.evictions += 1
 
     @timed
-    def recall(self, chunk_id: ChunkId, at: int | None = None) -> list[ChunkId]:
+    def recall(self, chunk_id: ChunkId, at: int | None = None, keep: Sequence[ChunkId] = ()) -> list[ChunkId]:
         """Bring an evicted chunk back, at its old slot by default (clamped to the window's end),
         or at index `at`. Evicts by the window's policy first when the budget needs room (the
-        slot then counts among the chunks that remain); returns the chunks it evicted."""
+        slot then counts among the chunks that remain; never the chunks in `keep`); returns the
+        chunks it evicted."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         if chunk_id in self._order:
@@ -176,7 +177,7 @@ class Window(WindowEngine):
             raise ValueError(f"at must be an int in [0, {len(self._order)}], got {at!r}")
         else:
             index = at
-        victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()))  # raises before any change
+        victims = self._slide_plan(int(self._chunks[chunk_id].ids.numel()), keep)  # raises before any change
         self._io.restore_pixels(self._chunks[chunk_id])  # raises before any change
         for victim in victims:
             self.evict(victim)
@@ -186,15 +187,27 @@ class Window(WindowEngine):
         return victims
 
     @timed
-    def slide(self, free_tokens: int = 0) -> list[ChunkId]:
-        """Evict by the window's policy (FIFO or LRU, pinned chunks kept) until `free_tokens` more
-        tokens fit within the budget; returns the evicted chunks."""
+    def slide(self, free_tokens: int = 0, keep: Sequence[ChunkId] = ()) -> list[ChunkId]:
+        """Evict by the window's policy (`agentwin.eviction`; pinned chunks and those in `keep`
+        stay) until `free_tokens` more tokens fit within the budget; returns the evicted chunks.
+        ValueError, nothing evicted, when they cannot fit."""
         if isinstance(free_tokens, bool) or not isinstance(free_tokens, int) or free_tokens < 0:
             raise ValueError(f"free_tokens must be a non-negative int, got {free_tokens!r}")
-        victims = self._slide_plan(free_tokens)
+        victims = self._slide_plan(free_tokens, keep)
         for victim in victims:
             self.evict(victim)
         return victims
+
+    def relevant_to(self, query: str | None) -> None:
+        """With evict="relevant": the budget drops the chunks least relevant to `query` first (the
+        cosine of their key summaries with the query's, `nearest`; the query encoded once, counted
+        as "retrieval"); None: oldest first again."""
+        if self.eviction != "relevant":
+            raise ValueError(f"relevant_to needs evict='relevant', this window evicts {self.eviction!r}")
+        if query is not None:
+            self.query_ids(query)  # refused now, not at the next eviction
+        self._eviction.target(None if query is None else
+                              lambda order: dict(self.nearest(query, k=len(order), among=order)))
 
     def touch(self, chunk_id: ChunkId) -> None:
         """Mark a chunk as used now (LRU eviction keeps recently used chunks longest)."""
@@ -328,7 +341,7 @@ class Window(WindowEngine):
 
     @timed
     def read(self, query: str, max_new_tokens: int = 0, logits_processor=None, stop=None,
-             continuation: Sequence[int] | None = None) -> "Reading":
+             continuation: Sequence[int] | None = None) -> Reading:
         """One read of the window after `query`: the next-token log-probabilities (`[vocab]`
         float32, as `next_token_logprobs`) and up to `max_new_tokens` greedy token ids (as
         `generate_ids`, with its `logits_processor` and `stop`), in one pass over the query.
@@ -368,7 +381,7 @@ class Window(WindowEngine):
         self._keep_tail(tail, seen, cache)
         return Reading(logprobs, out, ended)
 
-    def _read_continuation(self, ids: torch.Tensor, continuation: Sequence[int], max_new_tokens: int) -> "Reading":
+    def _read_continuation(self, ids: torch.Tensor, continuation: Sequence[int], max_new_tokens: int) -> Reading:
         if max_new_tokens:
             raise ValueError("read() scores a continuation or decodes new tokens, not both: pass max_new_tokens=0")
         vocab = int(self.km.model.get_input_embeddings().num_embeddings)
@@ -479,22 +492,8 @@ class Window(WindowEngine):
     def _touch(self, chunk_id: ChunkId) -> None:
         self._eviction.used(chunk_id)
 
-    def _slide_plan(self, incoming: int) -> list[ChunkId]:
-        """Chunks to evict so that `incoming` more tokens fit (the eviction policy's plan)."""
+    def _slide_plan(self, incoming: int, keep: Sequence[ChunkId] = ()) -> list[ChunkId]:
+        """Chunks to evict so that `incoming` more tokens fit (the eviction policy's plan), never
+        a pinned one or one in `keep`."""
         sizes = {c: int(self._chunks[c].ids.numel()) for c in self._order}
-        return self._eviction.plan(self._order, sizes, self._pinned, incoming, self.budget_tokens)
-
-
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """What one read gave: `logprobs` `[vocab]` float32 of the token after the query, and the
-    greedy token ids decoded after it (`token_ids`; an end-of-sequence token ends them and is not
-    included: `end_token` is that token, None when decoding stopped otherwise); a read of a given
-    continuation has `continuation_logprobs` `[len, vocab]` instead (the token after each)."""
-
-    logprobs: torch.Tensor
-    token_ids: list[int]
-    end_token: int | None = None
-    continuation_logprobs: torch.Tensor | None = None
+        return self._eviction.plan(self._order, sizes, self._pinned | set(keep), incoming, self.budget_tokens)

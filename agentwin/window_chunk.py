@@ -141,3 +141,16 @@ def held_bytes(chunks: Sequence[ChunkRecord]) -> int:
     """KV and patch bytes these chunks reference: canonical KV, in-context KV, patches."""
     return sum(kv_nbytes(c.canonical) + (kv_nbytes(c.held.kv) if c.held else 0)
                + sum(p.nbytes for p in c.patches.values()) for c in chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one read gave: `logprobs` `[vocab]` float32 of the token after the query, and the
+    greedy token ids decoded after it (`token_ids`; an end-of-sequence token ends them and is not
+    included: `end_token` is that token, None when decoding stopped otherwise); a read of a given
+    continuation has `continuation_logprobs` `[len, vocab]` instead (the token after each)."""
+
+    logprobs: torch.Tensor
+    token_ids: list[int]
+    end_token: int | None = None
+    continuation_logprobs: torch.Tensor | None = None

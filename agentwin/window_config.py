@@ -26,7 +26,7 @@ PATCH_SETTINGS = {"rank": BUDGET, "patch_bytes": None, "storage": "auto", "guard
 @dataclass(frozen=True)
 class WindowConfig:
     """budget_tokens: the most tokens the window holds; past it an append or a recall evicts
-    unpinned chunks, `evict` ("fifo" or "lru", `agentwin.eviction`) saying which first.
+    unpinned chunks, `evict` ("fifo", "lru" or "relevant", `agentwin.eviction`) saying which first.
     patch: "exact" (the default: every placement the model's own KV, as a re-prefill), "survive",
     "refresh", a patch policy ("origin-akin", ...), or a configured policy object such as
     `agentwin.patches.policies.Refresh(near_tokens=64)`.

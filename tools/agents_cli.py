@@ -52,6 +52,10 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str | None, bud
                             "patch policy: origin-akin (canonical KV + a patch fitted at append, withheld after an "
                             "unlike antecedent), origin-similar, origin, fresh (a pass per new antecedent), none "
                             "(blind) (default exact)")
+    group.add_argument("--evict", choices=("fifo", "lru", "relevant"), default="fifo",
+                       help="which observation the budget drops first: the oldest (fifo), the least recently "
+                            "used (lru), or the least relevant to the task by key similarity (relevant) "
+                            "(default fifo)")
     group.add_argument("--rank", type=rank_arg, default=rank_arg(rank),
                        help=f"patch policies: 'budget' (each patch within --patch-bytes of the chunk's KV bytes), "
                             f"a rank (checked by the patch guard), or 'exact' (default {rank})")

@@ -19,9 +19,10 @@ def make_window(km: Any, args: Any) -> Any:
     from agentwin.patches.policies import PATCH_POLICIES
 
     store = open_store(args.store, model_fingerprint=km.fingerprint) if args.store else None
+    evict = getattr(args, "evict", "fifo")
     if args.patch not in PATCH_POLICIES:  # exact, survive, refresh: no patch settings
-        return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, store=store)
-    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, rank=args.rank, store=store,
+        return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, evict=evict, store=store)
+    return Window(km, budget_tokens=args.budget_tokens, patch=args.patch, evict=evict, rank=args.rank, store=store,
                   patch_bytes=getattr(args, "patch_bytes", None), max_kl=getattr(args, "max_kl", None))
 
 

@@ -454,3 +454,40 @@ def test_agent_commands_keep_the_relevant_observation_by_default():
     _doc_arguments(parser)
     assert parser.parse_args(["f.pdf", "--question", "q"]).keep_relevant is True
     assert parser.parse_args(["f.pdf", "--question", "q", "--no-keep-relevant"]).keep_relevant is False
+
+
+def test_a_relevance_window_keeps_the_observation_like_the_task_in_view(tiny, pdf):
+    """On a window that evicts by relevance the run targets its task: page 1 is the task's own
+    text, so the budget drops the later pages and page 1 never leaves (FIFO drops it first)."""
+    with PdfEnv(pdf) as env:
+        task = observation_chunks(env._observe(1), tiny)[0].text
+        budget = _page_tokens(tiny, env, 1) + _page_tokens(tiny, env, 2) + 5  # two pages fit, not three
+    plan = [{"action": "next"}] * 3 + [{"action": "answer", "text": "x"}]
+    runs, windows = {}, {}
+    for evict in ("fifo", "relevant"):
+        with PdfEnv(pdf) as env:
+            window = Window(tiny, budget_tokens=budget, evict=evict)
+            result = AgentLoop(env, window, ScriptedDecider(list(plan)), task, max_steps=6, chat=False,
+                               keep_relevant=False).run()
+        runs[evict] = result.records
+        windows[evict] = window
+    first = runs["relevant"][0].chunks[0]
+    assert runs["fifo"][2].evicted == ["step 0 (page 1/4)"]
+    assert all("step 0 (page 1/4)" not in (r.evicted or []) for r in runs["relevant"])
+    assert runs["relevant"][2].evicted == ["step 1 (page 2/4)"] and runs["relevant"][3].evicted == ["step 2 (page 3/4)"]
+    assert windows["relevant"].chunks() == [first, *runs["relevant"][3].chunks]  # page 1, then the newest page
+    assert first not in windows["fifo"].chunks()
+    assert all(r.recalled is None or r.recalled == [] for r in runs["relevant"])  # kept, never recalled
+
+
+def test_agent_commands_take_the_eviction_policy():
+    import argparse
+
+    from tools.agents_cli import _doc_arguments
+
+    parser = argparse.ArgumentParser()
+    _doc_arguments(parser)
+    assert parser.parse_args(["f.pdf", "--question", "q"]).evict == "fifo"
+    assert parser.parse_args(["f.pdf", "--question", "q", "--evict", "relevant"]).evict == "relevant"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["f.pdf", "--question", "q", "--evict", "random"])

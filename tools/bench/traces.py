@@ -45,7 +45,7 @@ def _text_of(content: Any) -> str:
 
 
 class RecordingWindow:
-    """What `AgentLoop` needs of a window (chunks, tokens, append, evict, recall, key_summary,
+    """What `AgentLoop` needs of a window (chunks, tokens, append, evict, recall, slide, key_summary,
     stats, km, budget_tokens), keeping `agentwin.Window`'s order and FIFO budget rule, recording
     the operations. Text chunks only."""
 
@@ -65,15 +65,17 @@ class RecordingWindow:
     def tokens(self) -> int:
         return sum(self._tokens[c] for c in self._order)
 
-    def _plan(self, incoming: int) -> list[int]:
-        excess, victims = self.tokens() + incoming - self.budget_tokens, []
-        for cid in self._order:
-            if excess <= 0:
-                break
-            if cid in self._pinned:
-                continue
-            victims.append(cid)
-            excess -= self._tokens[cid]
+    def _plan(self, incoming: int, keep: Any = ()) -> list[int]:
+        """The window's FIFO plan (`agentwin.eviction.Fifo`): ValueError, nothing changed, when
+        the pinned and kept chunks leave too little room."""
+        from agentwin.eviction import Fifo
+
+        return Fifo().plan(self._order, self._tokens, self._pinned | set(keep), incoming, self.budget_tokens)
+
+    def slide(self, free_tokens: int = 0, keep: Any = ()) -> list[int]:
+        victims = self._plan(free_tokens, keep)
+        for victim in victims:
+            self.evict(victim)
         return victims
 
     def append(self, content: Any, pin: bool = False) -> int:
@@ -116,11 +118,11 @@ class RecordingWindow:
         self._stats.evictions += 1
         self.ops.append({"op": "evict", "chunk": cid})
 
-    def recall(self, cid: int, at: int | None = None) -> list[int]:
+    def recall(self, cid: int, at: int | None = None, keep: Any = ()) -> list[int]:
         if cid not in self.texts or cid in self._order:
             raise ValueError(f"chunk {cid} is not an evicted chunk")
         index = self._slot.get(cid, 0) if at is None else int(at)
-        victims = self._plan(self._tokens[cid])
+        victims = self._plan(self._tokens[cid], keep)
         for victim in victims:
             self.evict(victim)
         index = min(index, len(self._order))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from agentwin.models.conditioned import conditioned_pass
+from tools.bench.conditioned import conditioned_pass
 from agentwin.models.kv import build_cache, concat_kv, relocate_kv
 from kamera_core import fit_metric as fm, kv_layout, patch as kp, rope_specs
 from tests.support import (Chunk, assert_close, concat, forward, forward_growth, image_chunk, layer_kv, make_chunk,

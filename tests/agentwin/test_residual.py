@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agentwin.models import residual
-from agentwin.models.conditioned import conditioned_pass
+from tools.bench.conditioned import conditioned_pass
 from agentwin.window import Window
 from kamera_core import fit_metric as fm
 from tests.agentwin.test_guard import A, B, _km

@@ -137,7 +137,7 @@ def test_query_fit_uses_the_metric_of_the_chunks_own_queries(name):
     import torch
 
     from agentwin.patches.guard import QueryProbe
-    from agentwin.models.conditioned import conditioned_pass
+    from tools.bench.conditioned import conditioned_pass
     from kamera_core import fit_metric as fm, patch as kp
 
     km = _km(name)
@@ -173,7 +173,7 @@ def _captured(km, win, b):
     model's own forward over A then B."""
     import torch
 
-    from agentwin.models.conditioned import conditioned_pass
+    from tools.bench.conditioned import conditioned_pass
     from kamera_core import patch as kp
 
     a_ids, b_ids = km.tokenize(A), km.tokenize(B)

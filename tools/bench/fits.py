@@ -15,7 +15,7 @@ import torch
 
 from tools.bench.baselines import Result, placed_kv, with_canonical_build
 from tools.bench.contexts import Chunk, Context, first_position, forward_chunk, join_chunks, position_ids
-from agentwin.models.conditioned import conditioned_pass
+from tools.bench.conditioned import conditioned_pass
 from agentwin.models.kv import LayerKV, extract_kv, relocate_kv
 from kamera_core import budget as kb, fit_metric as fm, kv_layout, mixed, patch as kp, rope_specs
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tools.bench.datasets import make_case
-from agentwin.models.conditioned import ConditionedPass, conditioned_pass
+from tools.bench.conditioned import ConditionedPass, conditioned_pass
 from agentwin.models.kv import LayerKV, build_cache, concat_kv, extract_kv, relocate_kv
 from kamera_core import KVLayout, RopeSpec, kv_layout, rope_specs
 from kamera_core import budget as kb, fit_metric as fm, patch as kp

@@ -1,37 +1,13 @@
 """The reversible window: ordered chunks whose KV is read in place by segment attention.
 
-A chunk's KV in the window is its in-context KV: its prefill after the chunks before it. That KV
-depends on the chunk and on everything before it, so the store keeps it under a placement key
-that chains both (`agentwin.prefix`): whenever a chunk is read after the same chunks again (a
-recall to its old slot, a slide back to an earlier window, another window, process or worker on
-the same store) its KV is served from there, exactly, with no forward.
-
-Work is lazy and paid once. `append`, `evict`, `recall`, `reorder` and `slide` only edit the
-order. A read (`next_token_logprobs`, `generate`, ...) walks the order: each chunk whose KV for
-its placement is held or stored is served in place; the others are computed, after what is
-before them, in as few forwards as possible, the read's query in the same forward as the chunks
-that wait at the end; tokens computed before after the same prefix (the longest common token
-prefix with an earlier chunk or read, `agentwin.prefix.PrefixIndex`) are not computed again. So
-the default window (`patch="exact"`) reproduces a re-prefill of its tokens and never forwards
-more than prefix caching would on the same session: what a slide or a recall invalidates is
-recomputed (and counted as "recompute"), nothing else.
-
-Approximate placements trade fidelity for work (`agentwin.patches.policies`): "survive" keeps a chunk's
-KV from its last placement and moves it by RoPE re-rotation when chunks before it change
-(StreamingLLM-style survival); "none" (blind reuse), "origin", "origin-akin" and the other origin
-variants, "orbit" and "fresh" serve a chunk's canonical KV (encoded alone, chunk-local frame)
-placed by a shift plus a low-rank antecedent patch fitted from its pass (`agentwin.patches.fit`:
-within `patch_bytes`, 6% of the chunk's canonical KV by default; `rank=None`: exact, full-rank
-patches). Attention applies the shift to the few query rows instead of the keys
-(`agentwin.models.segments`), so placing, moving and recalling write no KV bytes. Where a
-placement's exact KV is stored, every policy serves it.
-
-Eviction (`evict="fifo"`, `"lru"` or `"relevant"`, `agentwin.eviction`): when an append or a
-recall would pass `budget_tokens`, the window evicts unpinned chunks until the new one fits: the
-first in window order (FIFO), the one appended, recalled or `touch`ed least recently (LRU), or the
-least relevant to the query given to `relevant_to`; `slide()` does the same on demand.
-An evicted chunk leaves nothing in the window but its key and small metadata: its KV stays in the
-store's tiers under the store's budgets.
+Operations (`append`, `evict`, `recall`, `reorder`, `slide`) edit the order only; a read serves
+each chunk's KV for its placement where it is held or stored (by placement key,
+`agentwin.prefix`) and computes the rest after what precedes it, in as few forwards as it can
+(`agentwin.window_engine`). The default (`patch="exact"`) reproduces a re-prefill and never
+forwards more than prefix caching; the other placement policies (`agentwin.patches.policies`)
+trade fidelity for work. Past `budget_tokens`, unpinned chunks are evicted by the window's
+eviction policy (`agentwin.eviction`); an evicted chunk's KV stays in the store. docs/DESIGN.md,
+"The KV engine", gives the whole picture.
 """
 
 from __future__ import annotations
@@ -63,11 +39,9 @@ class Window(WindowEngine):
 
     def __init__(self, km: KameraModel, config: WindowConfig | None = None, store: ChunkStore | None = None,
                  **settings: object) -> None:
-        """config: the window's settings (`agentwin.window_config.WindowConfig`: budget, placement
-        policy, eviction, patch settings); or give them as keywords of the same names
-        (`Window(km, budget_tokens=2048)`), not both. store: where KV lives (in-context KV by
-        placement, canonical KV, patches), shared by every window (and process, with a disk root
-        or a Redis tier) that uses it; default a private RAM-only store."""
+        """config: a `WindowConfig`, or its settings as keywords (`Window(km, budget_tokens=2048)`),
+        not both. store: where KV lives, shared by every window (and process, with a disk root or a
+        Redis tier) that uses it; default a private RAM-only store."""
         if not isinstance(km, KameraModel):
             raise TypeError(f"km must be a KameraModel, got {type(km).__name__}")
         if config is not None and not isinstance(config, WindowConfig):
@@ -111,12 +85,9 @@ class Window(WindowEngine):
 
     @timed
     def append(self, content: Content, pin: bool = False) -> ChunkId:
-        """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end;
-        evicts the oldest unpinned chunks past `budget_tokens`. The exact and survive policies run
-        no forward here: the chunk's pass (its prefill after the chunks before it) runs at the next
-        read, unless its KV for that placement is stored already. The patch policies run it now,
-        and fit the chunk's origin patch from it (a chunk the model cannot take then leaves the
-        window as it was)."""
+        """Add a chunk (Text or str; Image or Frames on a vision-language model) at the end, evicting
+        by the window's policy past `budget_tokens`. Its pass runs at the next read (the patch
+        policies run it now, to fit its origin patch; a failure leaves the window as it was)."""
         content = Text(content) if isinstance(content, str) else content
         inputs, key = model_inputs(self.km, self.store.tenant, content)  # raises before anything changes
         ids = self.km.ids(inputs)
@@ -147,8 +118,7 @@ class Window(WindowEngine):
 
     @timed
     def evict(self, chunk_id: ChunkId) -> None:
-        """Take a chunk out of the window. The window lets go of its KV and patches; they stay in
-        the store's tiers (under the store's budgets) for a recall."""
+        """Take a chunk out of the window; its KV and patches stay in the store's tiers for a recall."""
         self._require_in_window(chunk_id)
         index = self._order.index(chunk_id)
         chunk = self._chunks[chunk_id]
@@ -163,10 +133,8 @@ class Window(WindowEngine):
 
     @timed
     def recall(self, chunk_id: ChunkId, at: int | None = None, keep: Sequence[ChunkId] = ()) -> list[ChunkId]:
-        """Bring an evicted chunk back, at its old slot by default (clamped to the window's end),
-        or at index `at`. Evicts by the window's policy first when the budget needs room (the
-        slot then counts among the chunks that remain; never the chunks in `keep`); returns the
-        chunks it evicted."""
+        """Bring an evicted chunk back at its old slot (clamped to the window's end) or at index `at`,
+        evicting by the window's policy first (never the chunks in `keep`); returns those evicted."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         if chunk_id in self._order:
@@ -199,9 +167,8 @@ class Window(WindowEngine):
         return victims
 
     def relevant_to(self, query: str | None) -> None:
-        """With evict="relevant": the budget drops the chunks least relevant to `query` first (the
-        cosine of their key summaries with the query's, `nearest`; the query encoded once, counted
-        as "retrieval"); None: oldest first again."""
+        """With evict="relevant": the budget drops the chunks least like `query` first (`nearest`);
+        None: oldest first again."""
         if self.eviction != "relevant":
             raise ValueError(f"relevant_to needs evict='relevant', this window evicts {self.eviction!r}")
         if query is not None:
@@ -213,18 +180,6 @@ class Window(WindowEngine):
         """Mark a chunk as used now (LRU eviction keeps recently used chunks longest)."""
         self._require_in_window(chunk_id)
         self._touch(chunk_id)
-
-    @timed
-    def fit_orbit(self, orders: int = 6, seed: int = 0) -> int:
-        """Add the window's chunks' deficits under `orders` random orders (a forward of the window
-        each) to each chunk's orbit ("orbit" policy), so later reorders among them are served by
-        the orbit patch. Returns the number of new orders used (orders seen before are skipped)."""
-        if self.policy != "orbit":
-            raise ValueError(f"fit_orbit needs patch='orbit', this window uses {self.policy!r}")
-        if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
-            raise ValueError(f"orders must be a positive int, got {orders!r}")
-        self.materialize()  # every chunk's first pass (and its origin patch) before the orders
-        return self._policy.sample_orders(self._host, orders, seed)
 
     @timed
     def reorder(self, order: Sequence[ChunkId]) -> None:
@@ -241,15 +196,13 @@ class Window(WindowEngine):
 
     @timed
     def materialize(self) -> None:
-        """Run now the passes the next read would run (every chunk's KV for its placement), so a
-        later read pays only for its query."""
+        """Run now the passes the next read would run, so a later read pays only for its query."""
         self._read(list(self._order))
 
     @timed
     def segments(self) -> list[list[Segment]]:
-        """Per decoder layer, the segments a read attends to, in window order (`Segment`: each
-        chunk's KV where the window or the store holds it, its placement shift and patch), after
-        running the passes the window owes. For inspection and benchmarks: nothing is copied."""
+        """Per decoder layer, the `Segment`s a read attends to (KV, shift, patch), in window order,
+        after running the passes the window owes. Nothing is copied."""
         cache, _, _ = self._read(list(self._order))
         return [list(layer.segments) for layer in cache.layers]
 
@@ -297,8 +250,7 @@ class Window(WindowEngine):
 
     def reference_inputs(self, query: str | None = None) -> dict[str, torch.Tensor]:
         """Keyword arguments of a plain transformers re-prefill of the window (and query):
-        `input_ids` (= `input_ids(query)[None]`), plus pixels, grids and token types for image and
-        frame chunks; the model computes the positions itself. `model(**reference_inputs(q))`."""
+        `model(**reference_inputs(q))`, vision inputs included."""
         parts = [self._chunks[c].inputs for c in self._order]
         if query is not None:
             parts.append(self.query_ids(query))
@@ -306,32 +258,24 @@ class Window(WindowEngine):
 
     @timed
     def next_token_logprobs(self, query: str) -> torch.Tensor:
-        """`[vocab]` float32 log-probabilities of the token after `query`, from the window's KV
-        read in place (segment attention); runs the passes the window still owes in the same
-        forward as the query."""
+        """`[vocab]` float32 log-probabilities of the token after `query`, read after the window's KV."""
         return self.read(query).logprobs
 
     def reference_logprobs(self, query: str) -> torch.Tensor:
-        """The same from a full re-prefill of `reference_inputs(query)` (the model's own forward,
-        vision tower included)."""
+        """The same from the model's own forward of `reference_inputs(query)`."""
         parts = [self._chunks[c].inputs for c in self._order] + [self.query_ids(query)]
         return torch.log_softmax(self.km.reference_forward(parts).logits[0, -1].float(), -1)
 
     @timed
     def generate(self, query: str, max_new_tokens: int = 32) -> str:
-        """Greedy continuation of `query` read after the window's KV (in place); each decoded
-        token's KV joins the cache's tail, nothing else is copied."""
+        """Greedy continuation of `query` read after the window's KV."""
         return self.km.tokenizer.decode(self.generate_ids(query, max_new_tokens))
 
     @timed
     def generate_ids(self, query: str, max_new_tokens: int = 32, logits_processor=None, stop=None) -> list[int]:
-        """Greedy token ids after `query`, read after the window's KV like `generate`.
-
-        logits_processor: `fn(ids, scores) -> scores` with transformers' signature (ids `[1, n]`:
-        the query's tokens and those chosen so far; scores `[1, vocab]` float32), applied before
-        each choice (e.g. a grammar mask). stop: `fn(chosen_ids) -> bool`, asked after each chosen
-        token; true ends decoding before that token's forward. An end-of-sequence token ends it too
-        and is not returned."""
+        """Greedy token ids after `query`. logits_processor: `fn(ids [1, n], scores [1, vocab]) ->
+        scores` applied before each choice (e.g. a grammar mask); stop: `fn(chosen_ids) -> bool`,
+        true ends decoding. An end-of-sequence token ends it and is not returned."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         self.query_ids(query)  # checked before anything runs
@@ -342,12 +286,9 @@ class Window(WindowEngine):
     @timed
     def read(self, query: str, max_new_tokens: int = 0, logits_processor=None, stop=None,
              continuation: Sequence[int] | None = None) -> Reading:
-        """One read of the window after `query`: the next-token log-probabilities (`[vocab]`
-        float32, as `next_token_logprobs`) and up to `max_new_tokens` greedy token ids (as
-        `generate_ids`, with its `logits_processor` and `stop`), in one pass over the query.
-        continuation: token ids read after the query in that same pass (scoring a given reply,
-        teacher forcing); the Reading's `continuation_logprobs` `[len, vocab]` holds the
-        log-probabilities of the token after each of them. Not with `max_new_tokens`."""
+        """One read after `query`: its next-token log-probabilities and up to `max_new_tokens` greedy
+        ids (as `generate_ids`). continuation: token ids scored after the query in the same pass
+        (teacher forcing; `Reading.continuation_logprobs`), not with `max_new_tokens`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self.query_ids(query)
@@ -398,20 +339,15 @@ class Window(WindowEngine):
         return Reading(logprobs[0], [], None, logprobs[1:])
 
     def key_summary(self, chunk_id: ChunkId) -> torch.Tensor:
-        """`[layers, width]` float32: the chunk's keys in its chunk-local frame averaged over its
-        tokens, one row per layer (MLA: the latent c_KV): of its canonical KV where the window has
-        it (patch policies), else of its in-context KV moved back to position 0. Chunks in or out
-        of the window; a chunk never computed is encoded alone for it (counted as "encode").
-        `km.key_summary(ids)` gives the same summary of any token ids encoded alone."""
+        """`[layers, width]` float32: the chunk's keys (MLA: c_KV) in its chunk-local frame, averaged
+        over its tokens; in the window or evicted (a chunk never computed is encoded alone for it)."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         return self._summary(self._chunks[chunk_id])
 
     def nearest(self, query: str, k: int = 1, among: Sequence[ChunkId] | None = None) -> list[tuple[ChunkId, float]]:
-        """The `k` chunks (in the window or evicted; only `among` when given) whose key summaries
-        are closest to the query's: cosine per layer, averaged over layers; best first, ties by
-        chunk id. Encoding the query alone is one forward, counted as "retrieval" (not again when
-        the same query is asked next)."""
+        """The `k` chunks (in the window or evicted; only `among` when given) whose key summaries are
+        closest to the query's (`layer_cosine`), best first; the query's encode counts as "retrieval"."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int, got {k!r}")
         candidates = sorted(self._chunks) if among is None else list(dict.fromkeys(among))
@@ -446,8 +382,7 @@ class Window(WindowEngine):
         return ids
 
     def positions(self, chunk_ids: Sequence[ChunkId] | None = None) -> int:
-        """Position units the chunks take (default: the window's, in order): where what is read
-        after them starts. A vision chunk's span may differ from its token count."""
+        """Position units the chunks take (default: the window's): where what follows them starts."""
         order = self._order if chunk_ids is None else chunk_ids
         for cid in order:
             if cid not in self._chunks:
@@ -455,16 +390,14 @@ class Window(WindowEngine):
         return sum(self._chunks[c].span for c in order)
 
     def inspect(self, chunk_id: ChunkId) -> ChunkView:
-        """What the window holds for a chunk (in the window or evicted) now, read-only: for
-        inspection, tests and benchmarks. Nothing is computed or read from the store."""
+        """What the window holds for a chunk now (a read-only `ChunkView`); nothing is computed."""
         if chunk_id not in self._chunks:
             raise ValueError(f"unknown chunk id {chunk_id!r}")
         return ChunkView.of(self._chunks[chunk_id], chunk_id in self._order)
 
     def canonical_kv(self, chunk_id: ChunkId) -> list[LayerKV]:
-        """The chunk's canonical KV (its prefill alone, chunk-local frame) as the patch policies
-        use it: held, else read from the store, else encoded now (one forward, counted as
-        "encode"). The chunk must be in the window."""
+        """The chunk's canonical KV (its prefill alone, chunk-local frame): held, stored, or encoded
+        now. The chunk must be in the window."""
         self._require_in_window(chunk_id)
         return self._hold(self._chunks[chunk_id])
 

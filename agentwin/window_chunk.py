@@ -13,7 +13,6 @@ import torch
 
 from agentwin.models.adapter import ChunkInput
 from agentwin.models.kv import LayerKV
-from agentwin.patches.orbit import Orbit
 from agentwin.store import ChunkKey
 from agentwin.window_stats import kv_nbytes
 from kamera_core import patch as kp
@@ -88,7 +87,6 @@ class ChunkRecord:
     patches: dict[tuple[ChunkKey, ...], kp.ChunkPatch] = field(default_factory=dict)
     served: ChunkKey | None = None  # placement last served approximately (for counting relocations)
     pixels_key: ChunkKey | None = None  # evicted vision chunk: its pixels are in the store under this key
-    orbit: Orbit | None = None  # "orbit" policy only (kept across evictions)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,7 @@
 - `host`: the narrow view of the window a policy is lent (`Host`) and the values they exchange;
 - `fit`: the window's patch settings (`PatchSettings`) and how a chunk's patch is fitted from a
   pass it ran anyway;
-- `guard`: the patch guard (keep a component only where it beats blind reuse) and the KL ladder;
-- `orbit`: one patch per chunk that serves every order of a set of chunks.
+- `guard`: the patch guard (keep a component only where it beats blind reuse) and the KL ladder.
 
 No module here imports the window's (`agentwin.window`, `agentwin.window_engine`).
 """

@@ -1,50 +1,30 @@
-"""Placement policies: what a chunk gets at a placement whose own KV the window does not have.
+"""Placement policies: what a chunk gets at a placement whose own KV the window does not hold.
 
-The window first serves a chunk's in-context KV for its very placement where it holds it (and,
-for the exact and survive policies, where the store keeps it by placement key); only a placement
-without it comes here. One small object per policy behind one interface (`place`: approximate KV
-for the placement, or None to compute it there; `passed`: told of each pass the window ran),
-chosen by `Window(patch=...)`:
-- `exact` (`Exact`, the default): compute it, after the chunks before it: the window then
-  reproduces a re-prefill;
-- `survive` (`Survive`): the chunk's KV from its last placement, moved by RoPE re-rotation
-  (StreamingLLM-style survival: what it read before stays in it);
-- `refresh` (`Refresh`): survival with a repair: the survivors near a change, and those too many
-  evictions old, are recomputed (`Refresh(near_tokens, max_age)` sets both);
-- `none` (`Blind`): blind reuse, the chunk's canonical KV (encoded alone) only, never a pass;
-- `origin` (`Origin`): canonical KV plus the patch fitted at the chunk's first pass, as an
-  approximation; `orbit` (`OrbitPolicy`): the fit of the chunk's mean deficit over every
-  antecedent measured; `fresh` (`Fresh`): a pass (and a patch fit) for every new antecedent;
-- `origin-similar` (`OriginSimilar`): the origin patch where the chunk's neighbour is the one it
-  had at its origin, or every chunk before it there is before it still (`origin_holds`), or its
-  new neighbour's key summary is close to the old one's (cosine at least `SIMILAR`, no forward);
-  else blind reuse; `origin-akin` (`OriginAkin`): as `origin-similar`, and also behind a new
-  neighbour at least as close to the old one as the chunk's own summary is.
-The patch policies compute a chunk's first placement (its in-context pass, from which its patch
-is fitted) and, with exact patches (`rank=None`), every new placement. A chunk at the front of
-the window never takes a patch: its canonical KV is exact there (an origin patch there reads far
-worse than none after a slide: the first token stops acting as the attention sink).
-
-A policy talks to the window through the `Host` it is lent (`agentwin.patches.host`): the chunk
-records and order, the store access, the canonical KV of a chunk, the counters.
+One object per policy (`Window(patch=...)`), behind `place` (approximate KV for the placement,
+or None to compute it there) and `passed` (told of each pass the window ran); it sees the window
+only through the `Host` it is lent (`agentwin.patches.host`):
+- `exact` (the default): compute it after the chunks before it, as a re-prefill;
+- `survive`: the chunk's KV from its last placement, moved by RoPE re-rotation (StreamingLLM-style);
+  `refresh`: survival, with the survivors near a change or too many evictions old recomputed;
+- the patch policies serve canonical KV (the chunk encoded alone) plus a low-rank antecedent
+  patch: `none` (blind reuse, no patch), `origin` (the patch fitted at the chunk's first pass),
+  `fresh` (a pass and a fit for every new antecedent), and the stale-patch guards
+  `origin-similar` and `origin-akin`, which serve the origin patch only while it still describes
+  what is before the chunk (`origin_holds`, key-summary cosines) and blind reuse otherwise.
+A chunk at the front of the window never takes a patch: its canonical KV is exact there.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-
-from agentwin.models.kv import LayerKV, relocate_kv
-from agentwin.patches.fit import budget_bytes, fit_patch, layer_ranks, one_rank_storage
+from agentwin.models.kv import LayerKV
+from agentwin.patches.fit import fit_patch
 from agentwin.patches.host import Approx, Fallback, Host, Probed
-from agentwin.patches.orbit import Orbit
-from kamera_core import patch as kp
 from kamera_core.metrics import layer_cosine
 
 DEFAULT_POLICY = "exact"
-# The patch policy the patch studies and `agentwin bench fidelity` take when none is named: chosen
-# there among the stale-patch guards on validation (docs/results/FIDELITY.md).
+# The patch policy the benchmarks take when none is named (chosen on `agentwin bench fidelity`'s validation split).
 DEFAULT_PATCH_POLICY = "origin-akin"
 
 
@@ -65,9 +45,8 @@ class Exact:
 
 
 class Survive(Exact):
-    """A chunk computed before keeps that KV when the chunks before it change: it is moved to its
-    new start by RoPE re-rotation (exact algebra) with no repair, as StreamingLLM keeps the KV of
-    the tokens that stay in its window. What it read from chunks that left stays in it."""
+    """A chunk computed before keeps that KV, moved to its new start by RoPE re-rotation with no
+    repair (as StreamingLLM keeps its window's KV): what it read from chunks that left stays in it."""
 
     name = "survive"
 
@@ -79,14 +58,10 @@ class Survive(Exact):
 
 
 class Refresh(Survive):
-    """Survival with a repair: after a change in front of them (a chunk evicted, recalled or
-    moved), the survivors near the change are recomputed and the rest keep their KV re-rotated,
-    until they are too old. A survivor is recomputed when it starts within `near_tokens` tokens
-    after the first token whose KV changed (the KV a change moves most: the first survivors after
-    a slide are off most, later ones less), or when
-    `max_age` or more evictions happened since its KV was computed (slides batched: every survivor
-    is recomputed once per `max_age` evictions). near_tokens=0 and max_age=None is `Survive`;
-    max_age=1 is `Exact`."""
+    """Survival with a repair: a survivor is recomputed when it starts within `near_tokens` tokens
+    after the first token whose KV changed (the first survivors after a change are off most), or
+    when `max_age` or more evictions happened since its KV was computed. near_tokens=0 and
+    max_age=None is `Survive`; max_age=1 is `Exact`."""
 
     name = "refresh"
 
@@ -111,17 +86,13 @@ class Refresh(Survive):
 
 
 class PatchPolicy(Exact):
-    """Base of the patch policies: the first placement computed, later ones served as canonical
-    KV plus the patch stored for that antecedent, else the origin patch (or, with exact patches,
-    a pass)."""
+    """Base of the patch policies: the first placement computed, later ones canonical KV plus the
+    patch stored for that antecedent, else the origin patch (with exact patches: a pass)."""
 
     name = ""
     patches = True
     eager = True  # the origin patch is fitted from the pass after the chunks it was appended behind
-    # A chunk away from the placement it holds KV for is served as canonical KV + patch, as these
-    # policies are measured (`agentwin bench fidelity`, the patch studies), never from in-context
-    # KV kept by placement.
-    placed = False
+    placed = False  # away from its own placement a chunk is canonical KV + patch, never stored in-context KV
 
     def place(self, host: Host, chunk: Any, pl: Any, antecedent_ids: Sequence) -> Approx | None:
         if not antecedent_ids:  # canonical KV is the chunk's own prefill at the front
@@ -203,24 +174,20 @@ class Origin(PatchPolicy):
 
 
 def origin_holds(keys: tuple, origin: tuple) -> bool:
-    """Whether a chunk's origin patch still describes what is before it (`keys`, content keys in
-    order): the same chunk right before it as at its origin, or every chunk of its origin
-    antecedent still before it (in any order, with others)."""
+    """Whether a chunk's origin patch still describes what is before it (`keys`, in order): the same
+    chunk right before it as at its origin, or every chunk of its origin antecedent still before it."""
     return keys[-1:] == origin[-1:] or set(origin) <= set(keys)
 
 
-# The least key-summary cosine between a chunk's neighbour now and its neighbour at its origin for
-# `origin-similar` to serve the origin patch. Chosen on the validation traces of `agentwin bench
-# fidelity` from 0.9, 0.95, 0.98, 0.995 (docs/results/FIDELITY.md): the lowest value that kept no
-# patch worse than blind reuse behind an unrelated new neighbour.
+# The least key-summary cosine between a chunk's neighbour now and at its origin for `origin-similar` to serve the
+# origin patch (chosen on `agentwin bench fidelity`'s validation traces).
 SIMILAR = 0.95
 
 
 class OriginSimilar(PatchPolicy):
-    """The origin patch where it still holds (`origin_holds`), and also after a new neighbour whose
-    key summary (`Window.key_summary`: mean canonical keys per layer) is within cosine `threshold`
-    of the neighbour's at the chunk's origin: a patch fitted after one page still serves after the
-    next page, not after unrelated text. Blind reuse otherwise. No forward: the summaries are kept."""
+    """The origin patch where it still holds (`origin_holds`) or after a new neighbour whose key
+    summary (`Window.key_summary`) is within cosine `threshold` of the old neighbour's; blind reuse
+    otherwise. No forward: the summaries are kept."""
 
     name = "origin-similar"
 
@@ -230,8 +197,7 @@ class OriginSimilar(PatchPolicy):
         self.threshold = float(threshold)
 
     def similarity(self, host: Host, chunk: Any, antecedent_ids: Sequence) -> float:
-        """Cosine (`layer_cosine`) of the key summaries of the chunk's neighbour now and at its
-        origin; -1 when it had none."""
+        """Key-summary cosine of the chunk's neighbour now and at its origin; -1 when it had none."""
         if chunk.neighbour is None or not antecedent_ids:
             return -1.0
         now = host.summary(host.chunk(antecedent_ids[-1]))
@@ -254,19 +220,15 @@ class OriginSimilar(PatchPolicy):
 
 
 def serves_akin(similarity: float, own: float, threshold: float = SIMILAR) -> bool:
-    """`origin-akin`'s test for a stale patch behind a new neighbour: the new neighbour's key
-    summary is within cosine `threshold` of the old one's (`similarity`), or at least as close to
-    it as the chunk's own summary is (`own`): the new antecedent resembles the old one no less
-    than the chunk itself does, a scale each model sets for itself."""
+    """`origin-akin`'s test behind a new neighbour: its key-summary cosine with the old one
+    (`similarity`) is at least `threshold`, or at least the chunk's own cosine with it (`own`)."""
     return similarity >= threshold or similarity >= own
 
 
 class OriginAkin(OriginSimilar):
-    """`origin-similar`, and the origin patch also behind a new neighbour at least as close to
-    the old neighbour (key-summary cosine) as the chunk itself is (`serves_akin`). A model's
-    cosines between unrelated texts can sit anywhere (high on one model, low on another, where
-    a patch can still help behind a dissimilar list). The chunk's own cosine with its old neighbour is the
-    yardstick that moves with the model. No forward: the summaries are kept."""
+    """`origin-similar`, and the origin patch also behind a new neighbour at least as close to the
+    old one as the chunk itself is (`serves_akin`): the chunk's own cosine is a yardstick that
+    moves with the model, whose cosines between unrelated texts can sit anywhere."""
 
     name = "origin-akin"
 
@@ -290,54 +252,6 @@ class Fresh(PatchPolicy):
         return True
 
 
-class OrbitPolicy(PatchPolicy):
-    name = "orbit"
-
-    def measured(self, host: Host, chunk: Any, antecedent: tuple, deltas: Sequence | None) -> None:
-        if chunk.orbit is None:
-            chunk.orbit = Orbit.of(host.canonical(chunk))
-        chunk.orbit.add(antecedent, deltas)
-
-    def unseen(self, host: Host, chunk: Any, antecedent_ids: Sequence) -> Fallback:
-        if chunk.orbit is None:
-            return super().unseen(host, chunk, antecedent_ids)
-        held = host.canonical(chunk)
-        fit = chunk.orbit.fit(lambda mean: layer_ranks(host.settings, mean, held),
-                              one_rank_storage(host.settings.storage))
-        if fit.fitted:
-            host.stats.patch_bytes += fit.patch.nbytes
-            host.stats.patched_kv_bytes += budget_bytes(1.0, held)
-        return Fallback(fit.patch, host.keys(antecedent_ids) not in chunk.orbit.seen)
-
-    def sample_orders(self, host: Host, orders: int, seed: int) -> int:
-        """`Window.fit_orbit`: the deficits of the window's chunks under `orders` random orders
-        (one forward of the whole window per order, counted as "orbit"); returns the new orders."""
-        g = torch.Generator().manual_seed(seed)
-        seen: set[tuple] = set()
-        for _ in range(orders * 4):
-            if len(seen) == orders:
-                break
-            order = tuple(host.order[i] for i in torch.randperm(len(host.order), generator=g).tolist())
-            if order in seen:
-                continue
-            seen.add(order)
-            kv = host.km.prefill_kv([host.chunk(c).inputs for c in order])
-            host.stats.count("orbit", sum(int(host.chunk(c).ids.numel()) for c in order))
-            start = token = 0
-            for index, cid in enumerate(order):
-                chunk = host.chunk(cid)
-                n = int(chunk.ids.numel())
-                if index:
-                    placed = [(k[token:token + n], v[token:token + n]) for k, v in kv]
-                    local = relocate_kv(placed, host.km.specs, host.km.layout, -start)
-                    self.measured(host, chunk, host.keys(order[:index]), kp.deficit(local, host.canonical(chunk)))
-                else:
-                    self.measured(host, chunk, (), None)
-                start += chunk.span
-                token += n
-        return len(seen)
-
-
-POLICY_TYPES = {p.name: p for p in (Exact, Survive, Refresh, Blind, Origin, OrbitPolicy, Fresh, OriginSimilar, OriginAkin)}
+POLICY_TYPES = {p.name: p for p in (Exact, Survive, Refresh, Blind, Origin, Fresh, OriginSimilar, OriginAkin)}
 POLICIES = tuple(POLICY_TYPES)
 PATCH_POLICIES = tuple(name for name, p in POLICY_TYPES.items() if issubclass(p, PatchPolicy))  # canonical KV + patch

@@ -74,7 +74,7 @@ def _computed_here(chunk: tuple[int, ...], start: int, calls) -> bool:
 
 
 @pytest.mark.parametrize("rank", [None, 2], ids=["exact", "rank2"])
-@pytest.mark.parametrize("policy", ["origin", "orbit", "fresh"])
+@pytest.mark.parametrize("policy", ["origin", "origin-akin", "fresh"])
 @pytest.mark.parametrize("seed", range(2))
 def test_forwarded_tokens_are_counted_and_never_called_relocated(rank, policy, seed):
     km = _km("tiny-llama-gqa")

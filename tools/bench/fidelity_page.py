@@ -183,7 +183,7 @@ def render_page(result: dict[str, Any]) -> str:
                "default fit |"),
               ("| origin+guard | the same with `guard=True` at every budget (`agentwin.patches.guard`: a patch component kept "
               "only where it beats blind reuse on the chunk's last rows) |"),
-              "| orbit | `Window(patch=\"orbit\", rank=r, fit=\"svd\", storage=\"fp16\")`, no `fit_orbit` orders |",
+              "| orbit | `Window(patch=OrbitPolicy(), rank=r, fit=\"svd\", storage=\"fp16\")` (`tools.bench.orbit`), no `fit_orders` orders |",
               "| blind reuse | `Window(patch=\"none\")`: canonical KV re-rotated, no patch |"]
     unused = [f for f in FITS if f not in s["fits"]]
     if unused:

@@ -31,6 +31,7 @@ import statistics
 from typing import Any, Callable, Sequence
 
 from tools.bench.prefix_cache import PrefixCache
+from tools.bench.stale_guards import policy_named
 from tools.bench.strategies import Reprefill, Strategy, WindowStrategy
 from tools.bench.trace import Run, Trace, measure, row_of, score, summarize
 from agentwin.patches.policies import Refresh
@@ -74,7 +75,7 @@ def make_strategy(km: Any, trace: Trace, strategy: str, setting: Any = None) -> 
     if strategy == "origin-akin" and setting is not None:
         return WindowStrategy(km, setting_name(strategy, setting), budget, patch="origin-akin", patch_bytes=setting)
     if strategy in ("origin", "origin-akin", "orbit", "fresh"):
-        return WindowStrategy(km, strategy, budget, patch=strategy)
+        return WindowStrategy(km, strategy, budget, patch=policy_named(strategy))
     raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
 
 

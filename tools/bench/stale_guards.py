@@ -8,7 +8,8 @@ patch after an antecedent it was not fitted for, and when to fall back to blind 
   window's guards start from).
 
 They are patch policies like the window's (`Window(patch=policy_named(name))`), kept here
-because only the study runs them.
+because only the study runs them; `policy_named` also builds the orbit policy
+(`tools.bench.orbit`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 
 from agentwin.patches.host import Fallback, Host
 from agentwin.patches.policies import POLICY_TYPES, PatchPolicy, origin_holds
+from tools.bench.orbit import OrbitPolicy
 
 
 class _Guard(PatchPolicy):
@@ -56,11 +58,13 @@ GUARDS = {p.name: p for p in (OriginNeighbour, OriginPresent, OriginEither)}
 
 
 def policy_named(name: str, *args: Any) -> Any:
-    """The policy object for `name`: one of these guards, or one of the window's policies
+    """The policy object for `name`: one of these guards, the orbit policy, or one of the window's policies
     (configured with `args`, e.g. a threshold); a name the window takes as it is is returned as
     such when no args are given."""
     if name in GUARDS:
         return GUARDS[name](*args)
+    if name == OrbitPolicy.name:
+        return OrbitPolicy(*args)
     if args:
         return POLICY_TYPES[name](*args)
     return name

@@ -101,7 +101,7 @@ DESCRIPTIONS = {
                  "sinks, a recalled chunk is its canonical KV re-rotated, no repair",
     "agentwin-r16": "agentwin Window, origin patches of rank 16",
     "agentwin-orbit": "agentwin Window, orbit patches of rank 16 (the deficits seen at append and in passes; no extra "
-                      "fit_orbit orders)",
+                      "OrbitPolicy.fit_orders orders)",
     "agentwin-exact": "agentwin Window, exact (full-rank, float32) patches",
 }
 
@@ -205,7 +205,7 @@ def render_page(result: dict[str, Any]) -> str:
             and all(e["strategies"]["agentwin-r16"][k] == e["strategies"]["agentwin-orbit"][k]
                     for k in ("forwarded_tokens", "kl_mean", "greedy16"))]
     if same:
-        lines.append(f"- agentwin-orbit gave agentwin-r16's figures on {', '.join(same)}: without `fit_orbit` orders "
+        lines.append(f"- agentwin-orbit gave agentwin-r16's figures on {', '.join(same)}: without `OrbitPolicy.fit_orders` orders "
                      "and conditioned passes, a chunk's orbit holds only the deficit of the antecedent it was appended "
                      "after, and its rank-16 fit is the origin patch.")
     return "\n".join(lines + [""])

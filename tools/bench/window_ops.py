@@ -8,12 +8,12 @@ operation runs:
 - reorder: [A, E2, B, E1];
 - slide: a fifth chunk appended into a budget that forces A out (the survivors move back).
 Each is run with blind reuse (`patch="none"`), rank-r origin patches, rank-r orbit patches
-(`patch="orbit"`, `fit_orbit` over 6 orders after the appends) and exact patches (`rank=None`),
+(`patch="orbit"`, `OrbitPolicy.fit_orders` over 6 orders after the appends) and exact patches (`rank=None`),
 each on a fresh window with its own store. The figure is the mean over the case's questions of the
 KL of a re-prefill of `input_ids(question)` against the window's next-token distribution.
 
 Work: the window's forwards by kind (`WindowStats.forward_tokens`), split into the build (appends
-and `fit_orbit`) and what came after it (the operation and the questions' reads, conditioned
+and `OrbitPolicy.fit_orders`) and what came after it (the operation and the questions' reads, conditioned
 passes included), the relocated tokens, and the reference re-prefills' tokens. A forward hook on
 the model sees every forward; its count must equal the window's plus the re-prefills'.
 `render` writes the results page from the figures.
@@ -76,16 +76,18 @@ def scenario(km: Any, case: Any, name: str, policy: str, rank: int | None, quick
     """One operation under one policy on a fresh window; KL per question and the work, checked
     against a forward hook on the model. quick: chunks cut to 200 characters, two questions."""
     from agentwin.window import Window
+    from tools.bench.stale_guards import policy_named
 
     chunks = [t[:200] for t in texts(case)] if quick else texts(case)
     questions = list(case.queries[:2] if quick else case.queries)
     sizes = [int(km.tokenize(t).numel()) for t in chunks]
     budget = sum(sizes) + (0 if name == "slide" else 4096)
     with ForwardCounter(km.model) as counter:
-        window = Window(km, budget_tokens=budget, patch=policy, rank=rank, guard=False)  # as on the results page
+        placement = policy_named(policy)  # the orbit policy is the benchmarks' own (tools.bench.orbit)
+        window = Window(km, budget_tokens=budget, patch=placement, rank=rank, guard=False)  # as on the results page
         a, b, e1, e2 = [window.append(t) for t in chunks]
         if policy == "orbit":
-            window.fit_orbit(orders=6, seed=0)
+            placement.fit_orders(window, orders=6, seed=0)
         build = _work(window.stats())
         steps: dict[str, Callable[[], Any]] = {
             "append": lambda: None,
@@ -229,7 +231,7 @@ def render(data: dict[str, Any]) -> str:
         "## Forwarded tokens by kind",
         "",
         "Tokens the window's forwards computed, by kind (`WindowStats.forward_tokens`), mean per case: the build "
-        "(appends, `fit_orbit`) and everything after it (the operation and each question's read, conditioned passes "
+        "(appends, `OrbitPolicy.fit_orders`) and everything after it (the operation and each question's read, conditioned passes "
         "included). Relocated tokens were placed by a shift of KV computed earlier, with no forward of theirs at "
         "that placement. The last column is what the reference re-prefills forwarded for the same questions. A "
         "forward hook on the model saw exactly the window's forwards plus the re-prefills' in every run.",
@@ -247,6 +249,6 @@ def render(data: dict[str, Any]) -> str:
     lines += ["", "## Per policy", "", *_notes(data), "",
               "Policies: `none` (blind reuse: canonical KV at a shift, no patch); `origin` (the patch fitted at "
               "append from the chunk's in-context pass, reused for any later antecedent); `orbit` (the mean deficit "
-              "over every antecedent seen, `fit_orbit(orders=6)` adding whole-window orders); exact (`rank=None`: a "
+              "over every antecedent seen, `OrbitPolicy.fit_orders(window, orders=6)` adding whole-window orders); exact (`rank=None`: a "
               "conditioned pass for each new antecedent, the full deficit stored)."]
     return "\n".join(lines) + "\n"

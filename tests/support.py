@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 from dataclasses import dataclass
 from types import MethodType
@@ -270,3 +271,9 @@ def window_step(win: Any, op: str, arg: int, evicted: list, append: Any) -> None
             win.recall(evicted.pop(arg % len(evicted)))
     else:
         append(op, arg)
+
+
+def write_lines(path: Any, lines: list) -> Any:
+    """A JSON-lines file at `path`: strings written as they are, anything else as JSON."""
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path

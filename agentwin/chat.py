@@ -1,30 +1,6 @@
-"""Chat-formatted windows: chunks laid out the way an instruct model reads a conversation.
-
-An instruct model was tuned on its chat template; raw text chunks followed by a raw question read
-to it as a document to continue (a first `generate` on SmolLM2 returned '\\nA:'). `Chat(km)` cuts
-the model's template into the three places a window needs:
-
-    [head: system turn, opening of the user turn] [part] [part] ... [question, end of the user
-    turn, opening of the assistant's]
-
-- `head(system)` -> `Text`: append it pinned: static instructions are encoded once per run;
-- `part(text)` -> `Text`: one observation (a page, a screenshot's text, a frame's caption) as a
-  chunk of the user turn; evicted, recalled and reordered like any chunk;
-- `question(text)` -> str: what the window is asked (`Window.generate`, `next_token_logprobs`);
-  it closes the user turn and opens the assistant's, so the reply is the assistant's.
-
-The chunks' token ids, concatenated, are the model's own template applied to [system, user: the
-parts and the question] with the generation prompt (`reference_ids`). Each part is stripped of
-surrounding whitespace and ends with one newline: a chunk boundary at a newline followed by a
-non-space character splits tokens the same way whether the text is tokenized whole or chunk by
-chunk (checked on the built-in models by the tests), so the window reads exactly the sequence
-the model was tuned on.
-
-Templates: the tokenizer's own `chat_template` (rendered once with markers in place of the texts
-and cut at them), else a built-in format for families whose files ship without one (Gemma-3:
-`<start_of_turn>` turns, the system text opening the first user turn). Anything else is refused
-with what to pass instead.
-"""
+"""Chat-formatted windows: `Chat(km)` cuts the model's chat template into a head (system turn, opening of the user
+turn), parts of the user turn and a question (closing it, opening the assistant's), so that the chunks concatenated
+tokenize to the model's own template applied to the conversation (`Chat.reference_ids`)."""
 
 from __future__ import annotations
 
@@ -92,9 +68,9 @@ def chat_format(tokenizer: Any, model_type: str = "") -> ChatFormat:
 
 
 class Chat:
-    """Chunks and questions in the chat format of `km`'s model (see the module docstring).
-
-    template: a Jinja chat template to use instead of the tokenizer's (or of the built-in one)."""
+    """Chunks and questions in the chat format of `km`'s model; `template`: a Jinja chat template to use instead of the
+    tokenizer's or the built-in one. TypeError for a non-KameraModel, ValueError for an unusable template; texts given
+    to `head`, `part` and `question` must be non-blank str (else TypeError / ValueError)."""
 
     def __init__(self, km: Any, template: str | None = None) -> None:
         tokenizer = getattr(km, "tokenizer", None)
@@ -112,8 +88,7 @@ class Chat:
         self.format = chat_format(tokenizer, str(getattr(text, "model_type", "")))
 
     def head(self, system: str | None = None) -> Text:
-        """The system turn and the opening of the user turn (pin it: it never changes in a run).
-        None or "": no system message (the template's own default, if it has one)."""
+        """The system turn and the opening of the user turn, to append pinned; None or "": no system message."""
         if system is None or system == "":
             return Text(self.format.bare)
         return Text(self.format.prefix + _clean(system, "system") + self.format.between)
@@ -123,8 +98,7 @@ class Chat:
         return Text(_clean(text, "part") + "\n")
 
     def question(self, text: str) -> str:
-        """The question that ends the user turn, followed by the opening of the assistant's
-        turn: the query string to read the window with."""
+        """The question closing the user turn plus the opening of the assistant's: the query to read the window with."""
         return _clean(text, "question") + self.format.suffix
 
     def reference_text(self, system: str | None, parts: Sequence[str], question: str) -> str:
@@ -132,9 +106,8 @@ class Chat:
         return "".join([self.head(system).text, *(self.part(p).text for p in parts), self.question(question)])
 
     def reference_ids(self, system: str | None, parts: Sequence[str], question: str) -> torch.Tensor:
-        """Token ids `[T]` of the model's own chat template applied to [system, user: parts and
-        question] with the generation prompt (where the tokenizer has a template; else the
-        built-in format tokenized whole)."""
+        """Token ids `[T]` of the model's own chat template applied to [system, user: parts and question] with the
+        generation prompt (without a tokenizer template: the built-in format tokenized whole)."""
         tokenizer = self._tokenizer
         content = "".join(self.part(p).text for p in parts) + _clean(question, "question")
         messages = ([{"role": "system", "content": _clean(system, "system")}] if system else []) + \

@@ -1,8 +1,5 @@
-"""What a window holds, as users hand it over: text, images and runs of video frames.
-
-Each is a frozen value checked when it is made; `model_inputs` turns it into model inputs (token
-ids, or a `VisionChunk` of processed pixels) and a content key for `Window.append`.
-"""
+"""What users hand a window: `Text`, `Image` and `Frames`, frozen values checked when made, and `model_inputs`, which
+turns one into model inputs and a content key for `Window.append`."""
 
 from __future__ import annotations
 
@@ -16,11 +13,8 @@ from agentwin.store import ChunkKey
 
 @dataclass(frozen=True, slots=True)
 class Text:
-    """A text chunk: a str with at least one character that is not whitespace, encodable as UTF-8.
-
-    Whitespace alone gives the patch fit nothing to weight, and a lone surrogate (what
-    `errors="surrogateescape"` or a JSON `\\ud800` escape leaves) cannot reach the tokenizer: both
-    are refused here rather than deep inside `Window.append`."""
+    """A text chunk. TypeError for a non-str; ValueError for an empty or whitespace-only str (the patch fit has nothing
+    to weigh) or one UTF-8 cannot encode (a lone surrogate), refused here rather than inside `Window.append`."""
 
     text: str
 
@@ -42,8 +36,8 @@ class Text:
 
 @dataclass(frozen=True)
 class Image:
-    """An image chunk (vision-language models): a PIL image, a path, encoded bytes or an
-    `[H, W, 3]` uint8 array, resized the qwen-vl-utils way to `min_tokens..max_tokens` tokens."""
+    """An image chunk (VLMs): a PIL image, path, encoded bytes or `[H, W, 3]` uint8 array, resized to
+    `min_tokens..max_tokens` tokens; ValueError for bad budgets."""
 
     source: Any
     min_tokens: int = 4
@@ -55,8 +49,8 @@ class Image:
 
 @dataclass(frozen=True)
 class Frames:
-    """A run of video frames as one chunk (vision-language models), sampled by the caller (see
-    `agents.video`); `timestamps` in seconds (default i / fps); token budgets are per frame."""
+    """A run of video frames as one chunk (VLMs), sampled by the caller; `timestamps` in seconds (default i / fps);
+    token budgets are per frame."""
 
     frames: Sequence[Any]
     timestamps: Sequence[float] | None = None
@@ -77,9 +71,8 @@ Content = Union[Text, Image, Frames, str]
 
 
 def model_inputs(km: KameraModel, tenant: str, content: Any) -> tuple[ChunkInput, ChunkKey]:
-    """Model inputs of a chunk (a `TextChunk` of token ids, or a `VisionChunk`) and its content key, which covers
-    what fixes its canonical KV (token ids; for images and frames the processed pixels, grid and
-    settings). TypeError / ValueError for content the model cannot take."""
+    """A chunk's model inputs (`TextChunk` or `VisionChunk`) and content key, which covers what fixes its canonical KV.
+    TypeError / ValueError for content the model cannot take."""
     fp = km.fingerprint
     if isinstance(content, Text):
         ids = km.tokenize(content.text)

@@ -1,11 +1,5 @@
-"""Which unpinned chunks the window's budget drops first: the eviction policy, one small interface.
-
-The window tells its policy when a chunk is used (appended, recalled, touched) and when it leaves,
-and asks it for victims when more tokens must fit (`plan`). `Fifo` drops the first chunks in
-window order; `Lru` the least recently used; `Relevant` the least relevant to a target (the key
-summaries' cosine with a query, `Window.relevant_to`), so what a task needs stays in view.
-Pinned chunks, and those a caller asks to keep for one operation, are never chosen.
-"""
+"""Eviction policies, which unpinned chunks the window's budget drops first: `Fifo`, `Lru` and `Relevant` (least
+relevant to a target, `Window.relevant_to`), behind `Fifo`'s interface; `make_eviction` builds one by name."""
 
 from __future__ import annotations
 
@@ -29,9 +23,8 @@ class Fifo:
 
     def plan(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int], pinned: set, incoming: int,
              budget: int) -> list[Hashable]:
-        """Chunks to evict, unpinned (not in `pinned`), in `ranked` order, until `incoming` more
-        tokens fit within `budget`. ValueError, with nothing changed, when the pinned chunks leave
-        too little room."""
+        """Chunks to evict, not in `pinned`, in `ranked` order, until `incoming` more tokens fit within `budget`
+        (sizes in tokens). ValueError, nothing changed, when the pinned chunks leave too little room."""
         excess = sum(sizes[c] for c in order) + incoming - budget
         victims = []
         for chunk in self.ranked([c for c in order if c not in pinned]):
@@ -66,8 +59,7 @@ class Lru(Fifo):
 
 
 class Relevant(Fifo):
-    """Least relevant first: `score(order)` gives each chunk's relevance (higher is kept longer),
-    ties in window order. Before a target is set (`target`) it is FIFO."""
+    """Least relevant first by `score(order)` (higher is kept longer), ties in window order; FIFO until `target`."""
 
     name = "relevant"
 

@@ -1,10 +1,5 @@
-"""Pixels of evicted image and frame chunks, kept in the store instead of the window.
-
-A long-video loop sees thousands of frames; the processed pixels of every segment it ever looked
-at would otherwise stay in memory for as long as it runs. An evicted vision chunk's pixels go to
-the store (under its budgets, spilled to disk when it has a root) and the window keeps the chunk
-without them (ids, grid, positions); a recall reads them back.
-"""
+"""Pixels of evicted image and frame chunks, kept in the store (under its budgets) instead of the window, so a
+long-running loop does not hold every frame it saw; the window keeps the chunk without them until a recall."""
 
 from __future__ import annotations
 
@@ -22,8 +17,8 @@ def _with_pixels(chunk: VisionChunk, pixels: object, digest: str) -> VisionChunk
 
 
 def spill(store: ChunkStore, fingerprint: str, chunk: VisionChunk) -> tuple[VisionChunk, ChunkKey] | None:
-    """Put `chunk`'s pixels in the store; returns the chunk without them and their key, or None
-    when the store refuses them for size (larger than its RAM budget with no disk tier)."""
+    """Put `chunk`'s pixels in the store; returns the chunk without them and their key, or None when the store refuses
+    them for size."""
     key = ChunkKey.of(fingerprint, "pixels", bytes.fromhex(chunk.digest), tenant=store.tenant)
     try:
         store.put(key, {"pixels": chunk.pixels}, {"modality": chunk.kind})
@@ -33,8 +28,7 @@ def spill(store: ChunkStore, fingerprint: str, chunk: VisionChunk) -> tuple[Visi
 
 
 def restore(store: ChunkStore, key: ChunkKey, chunk: VisionChunk, what: str) -> VisionChunk:
-    """`chunk` with its pixels read back from the store; ValueError naming `what` when the store's
-    budget has dropped them."""
+    """`chunk` with its pixels read back from the store; ValueError naming `what` when the budget dropped them."""
     hit = store.get(key)
     if hit is None:
         raise ValueError(f"{what}'s pixels were dropped by the store's budget while it was evicted; append the "

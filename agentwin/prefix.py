@@ -1,23 +1,6 @@
-"""Exact reuse by prefix: where a chunk's in-context KV is kept, and what was computed after a prefix.
-
-A chunk's in-context KV (its prefill after everything before it in the window) is a function of
-its own content and of the tokens before it, nothing else. Its placement key chains the two:
-
-    P_0 = root(model fingerprint, tenant)        P_{i+1} = H(P_i, content key of chunk i)
-
-so P_{i+1} names chunk i's KV after exactly chunks 0..i-1, in this order, on this model. The window
-keeps that KV in the store under P_{i+1}: a chunk that comes back after the same chunks (a recall to
-its old slot, a slide that restores an earlier window, the same session in another process or in
-another worker sharing the store) is served from it exactly, with no forward.
-
-`PrefixIndex` adds token granularity, as a radix tree does: for each placement key it lists the
-token runs computed right after it (whole chunks, whose KV is in the store under their own
-placement key, and the tails of reads: a query and the reply decoded after it, held here) so that a
-new run sharing a token prefix with one of them reuses the KV of the shared tokens and computes only
-the rest. The index holds token ids and keys, plus the tails' KV, under `max_runs` runs and
-`max_tail_tokens` tokens of tails, least recently used first out; it lives in one process (whole
-chunks are found across processes through the store by key alone).
-"""
+"""Exact reuse by prefix: placement keys (P_0 = root(model fingerprint, tenant), P_{i+1} = H(P_i, content key of
+chunk i), naming chunk i's in-context KV after exactly chunks 0..i-1) and `PrefixIndex`, the token runs computed after
+each placement key, for reuse at token granularity within one process."""
 
 from __future__ import annotations
 
@@ -52,8 +35,7 @@ def root_key(model_fingerprint: str, tenant: str = "") -> ChunkKey:
 
 
 def placement_key(prefix: ChunkKey, chunk: ChunkKey) -> ChunkKey:
-    """The key of `chunk`'s in-context KV right after the prefix named `prefix` (and the name of the
-    prefix that ends with it)."""
+    """The key of `chunk`'s in-context KV right after the prefix `prefix`, and the name of the prefix ending with it."""
     return _digest(_PLACEMENT, [prefix.digest.encode(), chunk.digest.encode()])
 
 
@@ -68,8 +50,8 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 @dataclass(slots=True)
 class Run:
-    """Token ids computed right after a prefix, and where their KV lies: in the store under `child`
-    (a whole chunk; `child` is also the prefix it ends) or in `kv` (a read's tail, held here)."""
+    """Token ids computed right after a prefix; their KV is in the store under `child` (a whole chunk; also the prefix
+    it ends) or in `kv` (a read's tail, held here)."""
 
     ids: torch.Tensor  # [T] int64
     child: ChunkKey | None = None
@@ -89,7 +71,8 @@ class Piece:
 
 
 class PrefixIndex:
-    """Runs computed after each prefix (see the module docstring); LRU-bounded."""
+    """Runs computed after each prefix, at most `max_runs` runs and `max_tail_tokens` held tail tokens, LRU first out;
+    ValueError on bad bounds."""
 
     def __init__(self, max_runs: int = 4096, max_tail_tokens: int = 16384) -> None:
         if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
@@ -106,8 +89,8 @@ class PrefixIndex:
 
     def add(self, prefix: ChunkKey, ids: torch.Tensor, child: ChunkKey | None = None,
             kv: Sequence[LayerKV] | None = None) -> None:
-        """Record that `ids` were computed right after `prefix`: a whole chunk whose KV the store
-        keeps under `child`, or a tail whose KV is `kv` (copied; held here)."""
+        """Record that `ids` were computed right after `prefix`: a chunk stored under `child`, or a tail whose KV is
+        `kv` (copied; a tail over `max_tail_tokens` is skipped). ValueError unless exactly one is given."""
         if (child is None) == (kv is None):
             raise ValueError("a run is either a stored chunk (child) or a held tail (kv), not both or neither")
         if ids.numel() == 0:
@@ -127,9 +110,8 @@ class PrefixIndex:
 
     def match(self, prefix: ChunkKey, ids: torch.Tensor, load: Callable[[ChunkKey], list[LayerKV] | None]
               ) -> list[Piece]:
-        """The KV of the longest prefix of `ids` computed before right after `prefix`, as pieces in
-        order (a run matched whole that ends a stored chunk continues the match after it). `load`
-        reads a chunk's KV from the store (None: the store dropped it; the run is forgotten)."""
+        """The KV of the longest prefix of `ids` computed before right after `prefix`, as pieces in order (empty: no
+        match). `load` reads a stored chunk's KV (None: dropped by the store; the run is forgotten)."""
         pieces: list[Piece] = []
         at, node = 0, prefix
         while at < ids.numel():

@@ -1,9 +1,6 @@
-"""The window's compute engine: turn an order of chunks into the per-layer segments a read attends
-to, serving each chunk's KV for its placement (held, stored, or placed by the policy) and computing
-what is missing in as few forwards as it can, under the store's lease so that two windows sharing
-a store do not compute one placement twice. `agentwin.window.Window` is built on it; its public
-operations only edit the order, and every forward is paid here, lazily, at a read.
-"""
+"""The window's compute engine (`WindowEngine`, the base of `agentwin.window.Window`): an order of chunks turned into
+the per-layer segments a read attends to, what is missing computed at the read in as few forwards as it can, under the
+store's lease; and `PolicyHost`, the view of the window a placement policy is lent."""
 
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class WindowEngine:
         return kv
 
     def _hold(self, chunk: ChunkRecord) -> list[LayerKV]:
-        """The chunk's canonical KV (patch policies), read from the store when the window does not
-        hold it, encoded (counted) when the store does not have it either."""
+        """The chunk's canonical KV: held, else from the store, else encoded (counted); sets `chunk.canonical`."""
         if chunk.canonical is None:
             chunk.canonical = self._io.load_canonical(chunk.key, int(chunk.ids.numel()))
             if chunk.canonical is None:
@@ -60,8 +56,8 @@ class WindowEngine:
         return chunk.canonical
 
     def _earlier_kv(self, chunk: ChunkRecord) -> Earlier | None:
-        """The KV this chunk was last computed with (any placement) and the position it was
-        computed at: held by the window, else its last exact KV from the store; None if neither."""
+        """The KV this chunk was last computed with and its position: held, else its last exact KV in the store;
+        None if neither."""
         if chunk.held is not None:
             return Earlier(chunk.held.kv, chunk.held.start)
         if chunk.last is not None:
@@ -83,9 +79,8 @@ class WindowEngine:
         return chunk.summary
 
     def _placed(self, chunk: ChunkRecord, pl: Placement, exact: bool) -> Held | None:
-        """KV of `chunk` computed for this very placement: held, or stored (the store keeps exact
-        KV only). Approximately computed KV is served only where the chunks before it are
-        approximate too (`exact` False)."""
+        """KV of `chunk` computed for this very placement, held or stored (a store hit is counted and held), or None.
+        Held approximate KV is served only when `exact` is False."""
         held = chunk.held
         if held is not None and held.key == pl.key and (held.exact or not exact):
             return held
@@ -104,15 +99,12 @@ class WindowEngine:
     # ---- internals: reads ---------------------------------------------------------------------
 
     def _read(self, order: list[ChunkId], tail: torch.Tensor | None = None, count: bool = True, rows: int = 1) -> tuple:
-        """Segments for every chunk of `order`, computing the missing ones, then (with `tail`, the
-        query's ids) the query in the same cache. Returns (SegmentCache, last-row logits `[vocab]`
-        float32 or None; `[rows, vocab]`, the tail's last rows, when rows > 1; a `_Run` of the
-        tail's forward or None). count=False: approximate and
-        stale placements are not counted (an eager append's pass is not a read)."""
+        """Segments for every chunk of `order`, computing the missing ones, then the query `tail` (ids) in the same
+        cache. Returns (SegmentCache, logits: None, `[vocab]` float32 or with rows > 1 `[rows, vocab]`, the tail's
+        `_Run` or None). count=False: approximate and stale placements are not counted (an eager append's pass)."""
         t0 = time.perf_counter()
         placements = self._placements(order)
         layers: Layers = [[] for _ in self.km.specs]
-        exact, waiting = True, []  # waiting: (chunk, placement) to compute, right after `layers`
         self._changed_at = None  # token index of the first chunk not served as computed for its place
         try:
             return self._read_order(order, placements, layers, tail, count, t0, rows)
@@ -190,9 +182,8 @@ class WindowEngine:
         return True
 
     def _wait_for(self, chunk: ChunkRecord, pl: Placement) -> Held | None:
-        """The placement another worker is computing: its KV once the store has it (counted as
-        `waited`), or None when its lease lapses or is given back without it (the lease is then
-        ours, and the chunk is computed here)."""
+        """The placement another worker is computing, once stored (counted as `waited`); None when its lease lapses
+        or is given back without it (the lease is then ours, and the chunk is computed here)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + LEASE_TTL_S
         while True:
@@ -220,8 +211,7 @@ class WindowEngine:
         return "conditioned" if self._policy.patches else "recompute"
 
     def _per_chunk(self, waiting: list) -> bool:
-        """Whether the waiting chunks are computed one forward each: vision chunks, and the passes
-        a patch fit reads (queries, logits) of each chunk's own rows."""
+        """Whether the waiting chunks are computed one forward each: vision chunks, and passes a patch fit reads."""
         return (self._policy.patches and self.settings.probed) or any(c.inputs.kind != "text" for c, _ in waiting)
 
     def _compute(self, waiting: list, layers: Layers, exact: bool, order: Sequence[ChunkId]) -> None:
@@ -253,10 +243,9 @@ class WindowEngine:
 
     def _forward_run(self, waiting: list, layers: Layers, exact: bool, tail: torch.Tensor | None,
                      prefix: ChunkKey, first: int, start: int, rows: int = 1) -> "_Run":
-        """One forward of the waiting text chunks' ids (then the tail's) after `layers`, placed at
-        token index `first` and position `start` right after the prefix `prefix`. Rows computed before after the same
-        prefix are reused instead (only when every chunk before is exact KV); a read computes its
-        last `rows` rows at least, for their logits."""
+        """One forward of the waiting text chunks' ids, then the tail's, after `layers` at token index `first` and
+        position `start`, after the prefix `prefix`; with `exact`, rows computed before after that prefix are reused,
+        except a read's last `rows` rows, whose logits it returns. Counts the forward by kind."""
         t0 = time.perf_counter()
         parts = [c.ids for c, _ in waiting] + ([tail] if tail is not None else [])
         ids = torch.cat(parts)
@@ -335,9 +324,7 @@ class WindowEngine:
 
 
 class PolicyHost:
-    """The window as its placement policy sees it (`agentwin.patches.host.Host`): the chunk records
-    and order, the store access, a chunk's canonical KV, earlier KV and key summary, the counters.
-    The policy gets this view, never the window itself."""
+    """The window as its placement policy sees it (`agentwin.patches.host.Host`); the policy never gets the window."""
 
     __slots__ = ("_window",)
 
@@ -368,9 +355,8 @@ class PolicyHost:
 
 
 class _Run:
-    """One forward of a run of tokens (waiting chunks, then a read's tail): its cache, the last
-    row's logits (reads), and where each row's KV is: the first `matched` rows in `pieces` (computed
-    before after the same prefix), the rest in the cache's tail (which decoding extends)."""
+    """One forward of waiting chunks, then a read's tail: its cache, logits (reads), and each row's KV: the first
+    `matched` rows in `pieces` (reused), the rest in the cache's tail (which decoding extends)."""
 
     def __init__(self, cache: object, logits: torch.Tensor | None, pieces: list[Piece], matched: int, chunk_rows: int,
                  exact: bool) -> None:

@@ -1,6 +1,5 @@
-"""The window's reads and writes of the store: canonical KV, patches, an evicted image's pixels
-and vision-tower outputs (through the encoder cache). Split from `agentwin.window`, whose chunks
-these methods take; every hit, store-read token and vision-tower run is counted in its stats."""
+"""`WindowIO`, the window's reads and writes of the store: canonical KV, in-context KV, patches, evicted pixels and
+vision-tower outputs; every hit, store-read token and vision-tower run is counted in the window's stats."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from kamera_core import patch as kp
 
 
 class WindowIO:
-    """Store access for one window (`settings`: the window's patch settings,
-    `agentwin.patches.fit.PatchSettings`, part of the patch keys)."""
+    """Store access for one window; `settings` (`agentwin.patches.fit.PatchSettings`) name its patch keys."""
 
     def __init__(self, km: KameraModel, store: ChunkStore, stats: WindowStats, settings: Any) -> None:
         self.km, self.store, self._stats = km, store, stats
@@ -37,20 +35,20 @@ class WindowIO:
         return out
 
     def spill_pixels(self, chunk: Any) -> None:
-        """An evicted vision chunk's pixels leave the window for the store (`agentwin.pixels`)."""
+        """Move an evicted vision chunk's pixels to the store (mutates `chunk`; kept if refused for size)."""
         if chunk.inputs.kind != "text" and chunk.pixels_key is None:
             spilled = pixels.spill(self.store, self.km.fingerprint, chunk.inputs)
             if spilled is not None:  # else refused for size: kept here
                 chunk.inputs, chunk.pixels_key = spilled
 
     def restore_pixels(self, chunk: Any) -> None:
-        """Pixels of an evicted vision chunk back from the store (ValueError, nothing changed)."""
+        """Pixels of an evicted vision chunk back from the store (mutates `chunk`; ValueError, nothing changed)."""
         if chunk.pixels_key is not None:
             chunk.inputs = pixels.restore(self.store, chunk.pixels_key, chunk.inputs, f"chunk {chunk.id}")
             chunk.pixels_key = None
 
     def load_canonical(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
-        """Canonical KV from the store (the store's own tensors, not copies), or None."""
+        """Canonical KV from the store (its own tensors, not copies), or None; RuntimeError if the entry mismatches."""
         hit = self.store.get(key)
         if hit is None:
             return None
@@ -63,8 +61,8 @@ class WindowIO:
         return kv
 
     def load_placed(self, key: ChunkKey, tokens: int) -> list[LayerKV] | None:
-        """A chunk's in-context KV at placement `key` (`agentwin.prefix.placement_key`) from the
-        store, or None (never computed, or dropped by the store's budgets)."""
+        """A chunk's in-context KV at placement `key` from the store, or None (never computed, or dropped by the
+        store's budgets); RuntimeError if the entry mismatches."""
         hit = self.store.get(key)
         if hit is None:
             return None
@@ -80,9 +78,8 @@ class WindowIO:
         return None if hit is None else tensors_to_kv(hit[0])
 
     def put_placed(self, key: ChunkKey, kv: list[LayerKV], modality: str, start: int) -> list[LayerKV]:
-        """Keep a chunk's exact in-context KV under its placement key; returns the store's copy
-        (shared with its RAM tier), or `kv` itself when the store could not keep it (too big for
-        its budgets: then it is simply not shared)."""
+        """Store a chunk's exact in-context KV under its placement key; returns the store's copy, or `kv` itself
+        when the store could not keep it (too big for its budgets)."""
         tokens = int(kv[0][0].shape[0])
         try:
             self.store.put(key, kv_to_tensors(kv), {"modality": modality, "tokens": tokens, "start": int(start),
@@ -93,8 +90,8 @@ class WindowIO:
         return tensors_to_kv(hit[0]) if hit is not None else kv
 
     def put_canonical(self, chunk: Any, kv: list[LayerKV]) -> list[LayerKV]:
-        """Store freshly encoded canonical KV; returns the store's copy (so the window and the
-        store's RAM tier share one set of bytes), or `kv` itself when the store keeps it on disk only."""
+        """Store freshly encoded canonical KV; returns the store's copy (one set of bytes with its RAM tier), or `kv`
+        itself when the store keeps it on disk only."""
         modality = chunk.inputs.kind
         self.store.put(chunk.key, kv_to_tensors(kv), {"modality": modality, "tokens": int(chunk.ids.numel())})
         hit = self.store.get(chunk.key)
@@ -104,7 +101,7 @@ class WindowIO:
         return patch_key(chunk.key, antecedent, self.rank, self.method)
 
     def stored_patch(self, chunk: Any, antecedent: tuple[ChunkKey, ...]) -> kp.ChunkPatch | None:
-        """The patch of `chunk` for `antecedent`: this window's copy, else the store's."""
+        """The patch of `chunk` for `antecedent`: this window's copy, else the store's (cached in `chunk`), or None."""
         if antecedent in chunk.patches:
             return chunk.patches[antecedent]
         hit = self.store.get(self.patch_key(chunk, antecedent))

@@ -1,18 +1,6 @@
-"""`KameraModel`: a loaded transformers causal LM wrapped for chunk-level KV work.
-
-It owns what the window needs from the model and nothing else: tokenizing, encoding a chunk alone
-in its chunk-local frame, the conditioned pass of a chunk after its antecedent, building a cache
-from token-major KV, and next-token logits of a query read after a cache. Text models with 1-D
-RoPE (Llama-style, GPT-NeoX, Gemma-3), MLA (DeepSeek-V2/V3) and the Qwen-VL families (image and
-frame chunks, `agentwin.models.vision`) are covered; a model whose keys cannot be relocated
-exactly is refused when wrapped (`UnsupportedModelError`), and so is any other vision-language
-family.
-
-A chunk is either a 1-D tensor of text token ids or a `VisionChunk`. Positions are in position
-units: a text chunk of T tokens spans T, a vision chunk spans what the model's M-RoPE rules give
-(`VisionChunk.span`). Vision-tower outputs come through `features`, a callable the window backs
-with its `EncoderCache`, so the tower runs once per distinct image.
-"""
+"""`KameraModel`: a transformers causal LM wrapped for chunk-level KV work: tokenizing, encoding a chunk alone or
+after others, segment caches, query logits. A chunk is 1-D token ids, a `TextChunk` or a `VisionChunk` (Qwen-VL);
+positions are in position units (`VisionChunk.span`)."""
 
 from __future__ import annotations
 
@@ -36,8 +24,7 @@ Features = Callable[[VisionChunk], dict]
 
 
 class ByteTokenizer:
-    """Bytes of UTF-8 text mapped into a tiny model's vocabulary (ids 3..vocab-1): for the seeded
-    random-init models, which ship no tokenizer."""
+    """UTF-8 bytes mapped to ids 3..vocab-1: the tokenizer of the seeded tiny models, which ship none."""
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < 4:
@@ -55,8 +42,8 @@ class KameraModel:
     """A causal LM plus its tokenizer, checked for exact relocation at construction."""
 
     def __init__(self, model: Any, tokenizer: Any = None, name: str | None = None, processor: Any = None) -> None:
-        """processor: a Qwen-VL model's `AutoProcessor` (its tokenizer and image / video
-        processors); without one, a tiny model gets processors built from its vision config."""
+        """TypeError for a non-transformers model; ValueError for a non-Qwen-VL vision family; UnsupportedModelError for
+        keys that cannot be relocated exactly. processor: a Qwen-VL `AutoProcessor` (default: built from the config)."""
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model (torch.nn.Module with .config), got {type(model).__name__}")
         self.model = model.eval()
@@ -80,10 +67,8 @@ class KameraModel:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def _use_segment_attention(self) -> None:
-        """Select agentwin's attention (`agentwin.models.segments`) for the decoder, through
-        transformers' public `set_attn_implementation`; a vision tower keeps its own. Refuses
-        (UnsupportedModelError) a model that cannot take it, or whose attention it cannot
-        reproduce exactly (logit soft-capping, attention sinks)."""
+        """Switch the decoder (not a vision tower) to the "kamera" attention; UnsupportedModelError where it cannot
+        reproduce the model's attention exactly (logit soft-capping, sinks, no `AttentionInterface` dispatch)."""
         text = self._text_config()
         for attr, what in (("attn_logit_softcapping", "attention logit soft-capping"),):
             if getattr(text, attr, None) is not None:
@@ -101,8 +86,7 @@ class KameraModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: torch.dtype = torch.float32) -> "KameraModel":
-        """`smollm2` (the embedded model), `gemma3-270m` (installed by `make setup`), a built-in
-        `tiny-*` name, or a path / hub name."""
+        """A built-in name (`smollm2`, `gemma3-270m`, `tiny-*`) or a path / hub name; ValueError if it cannot load."""
         from agentwin.models.zoo import REAL, TINY, build_tiny, load_real
 
         if not isinstance(name_or_path, str) or not name_or_path:
@@ -133,8 +117,7 @@ class KameraModel:
         return cls(model, tokenizer, name=name_or_path)
 
     def _fingerprint(self) -> str:
-        """Changes with the config and the weights (the first and last parameter tensors hashed
-        whole, every other one by name, shape and dtype), so caches never cross models."""
+        """Hash of the config and weights (first and last tensors whole, others by name, shape, dtype)."""
         h = hashlib.sha256(self.model.config.to_json_string().encode())
         params = list(self.model.named_parameters())
         for index, (name, p) in enumerate(params):
@@ -154,8 +137,7 @@ class KameraModel:
     # ---- chunks -------------------------------------------------------------------------------
 
     def image(self, source: Any, min_tokens: int = 4, max_tokens: int = 1024) -> VisionChunk:
-        """An image chunk (PIL image, path, encoded bytes or `[H, W, 3]` uint8 array), resized to
-        at most `max_tokens` tokens the qwen-vl-utils way."""
+        """An image chunk from a PIL image, path, encoded bytes or `[H, W, 3]` uint8 array, within the token budget."""
         return self._preparer().image(source, min_tokens, max_tokens)
 
     def frames(self, frames: Sequence[Any], timestamps: Sequence[float] | None = None, fps: float = 2.0,
@@ -188,18 +170,17 @@ class KameraModel:
         return as_chunk(chunk).placed_positions(start, self.is_vlm)
 
     def cache(self, segments_per_layer: Sequence[Sequence[Segment]] | None = None, first: int = 0) -> Any:
-        """A `SegmentCache` holding `segments_per_layer[i]` for layer i (default none), its tail
-        starting at token index `first` (the tokens the segments hold)."""
+        """A `SegmentCache` with `segments_per_layer[i]` in layer i (default none), its tail at token index `first`."""
         if segments_per_layer is None:
             segments_per_layer = [()] * len(self.specs)
         return SegmentCache(segments_per_layer, first, self.specs, self.layout)
 
     def forward(self, chunk: ChunkInput, start: int, cache: Any = None, features: Features | None = None,
                 logits_to_keep: int = 0) -> Any:
-        """The model's forward of one chunk placed at `start` (position units), after `cache` (a
-        `SegmentCache`; default an empty one). Vision-tower outputs come from `features(chunk)`
-        (default: run the tower). logits_to_keep: 0 all, n the last n. The cache's tail grows by
-        the chunk's KV (`cache.tail_kv()`)."""
+        """The forward of one chunk at `start` (position units) after `cache` (default empty), appending the chunk's KV
+        to the cache's tail (mutates `cache`). features: vision-tower outputs per chunk (default: run the tower);
+        logits_to_keep: 0 all, n the last n. TypeError / ValueError for a cache of another kind or model;
+        RuntimeError if the model's attention was switched after wrapping."""
         cache = self.cache() if cache is None else cache
         if self._text_config()._attn_implementation != ATTENTION:
             raise RuntimeError(f"{self.name}: the model's attention was switched to "
@@ -224,9 +205,8 @@ class KameraModel:
 
     def forward_variants(self, ids: torch.Tensor, start: int, variants: Sequence[Sequence[Sequence[Segment]]],
                          first: int, logits_to_keep: int = 0) -> torch.Tensor:
-        """Logits `[B, n, vocab]` float32 of the text tokens `ids` placed at `start` (token index
-        `first`), read once after each of `variants` (B versions of the per-layer segments
-        before them): one batched forward (one pass over the weights for all B). Not for MLA."""
+        """Logits `[B, n, vocab]` float32 of text `ids` `[T]` at `start` (token index `first`), read after each of the B
+        `variants` (per-layer segments) in one batched forward. Not for MLA; ValueError for a vision chunk."""
         chunk = as_chunk(ids)
         if chunk.kind != "text":
             raise ValueError("forward_variants takes text tokens")
@@ -241,8 +221,7 @@ class KameraModel:
         return out.logits.float()
 
     def reference_inputs(self, parts: Sequence[ChunkInput]) -> dict[str, torch.Tensor]:
-        """Keyword arguments of a plain re-prefill of `parts` (`input_ids` `[1, T]`, and for vision
-        chunks `mm_token_type_ids`, pixels, grids), positions left to the model itself."""
+        """Keyword arguments of a plain re-prefill of `parts` (`input_ids` `[1, T]`, token types, pixels, grids)."""
         if not parts:
             raise ValueError("nothing to run: no chunks and no query")
         parts = [as_chunk(p) for p in parts]
@@ -261,16 +240,12 @@ class KameraModel:
         return kw
 
     def reference_forward(self, parts: Sequence[ChunkInput]) -> Any:
-        """The model's own forward over the whole sequence of `parts`, positions computed by the
-        model itself from the token types and grids: what a plain re-prefill does (no segments:
-        transformers' SDPA attention with its own masks)."""
+        """The model's own forward over `parts` (its positions, SDPA, no segments): a plain re-prefill."""
         with torch.no_grad():
             return self.model(use_cache=False, **self.reference_inputs(parts))
 
     def prefill_kv(self, parts: Sequence[ChunkInput]) -> list[LayerKV]:
-        """Token-major KV of a plain forward over the whole sequence of `parts` (positions by the
-        model's own rules): every chunk's KV conditioned on the chunks before it. Every token's
-        KV is kept, sliding-window layers included."""
+        """Token-major KV (owned copies) of a plain forward over `parts`, every token kept (sliding layers too)."""
         cache = self.cache()
         with torch.no_grad():
             self.model(use_cache=True, cache=cache, segment_cache=cache, **self.reference_inputs(parts))
@@ -283,17 +258,14 @@ class KameraModel:
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def key_summary(self, ids: torch.Tensor) -> torch.Tensor:
-        """`[layers, width]` float32 mean over tokens of the chunk-local keys of `ids` (MLA: c_KV),
-        comparable with `Window.key_summary` for retrieval."""
+        """`[layers, width]` float32 mean over tokens of the chunk-local keys (MLA: c_KV) of `ids` `[T]`."""
         return torch.stack([k.float().mean(0).reshape(-1) for k, _ in self.encode(ids)])
 
     def encode_after(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, start: int, chunk: ChunkInput,
                      features: Features | None = None, probe: Any = None) -> list[LayerKV]:
-        """KV of `chunk` placed at `start` (position units) and token index `first`, read after
-        the segments (the in-context or conditioned pass); owned contiguous copies at `start`.
-        probe: an `agentwin.patches.guard.QueryProbe` (its rows the chunk's last ones) that records the
-        queries and the next-token logits of those rows (and with `keep_residual` the residual
-        stream's squared norm entering each layer, every row: `agentwin.models.residual`)."""
+        """KV of `chunk` at `start` (position units) and token index `first`, read after the segments; owned copies.
+        probe: a `QueryProbe` (mutated) that gets the queries and next-token logits of its rows, the chunk's last,
+        and with `keep_residual` the residual stream's squared norm entering each layer."""
         cache = self.cache(segments_per_layer, first)
         cache.probe = probe
         rows = 1 if probe is None else max(1, int(probe.rows.numel()))
@@ -306,7 +278,5 @@ class KameraModel:
         return [(k.contiguous(), v.contiguous()) for k, v in cache.tail_kv()]
 
     def query_logits(self, cache: Any, start: int, query_ids: torch.Tensor) -> torch.Tensor:
-        """Last-position logits `[vocab]` float32 of `query_ids` placed at `start`, read after
-        `cache` (a `SegmentCache`, or None for nothing before). Only the last position's logits
-        are computed."""
+        """Last-position logits `[vocab]` float32 of `query_ids` `[T]` at `start` after `cache` (None: none before)."""
         return self.forward(query_ids, start, cache, logits_to_keep=1).logits[0, -1].float()

@@ -1,9 +1,5 @@
-"""Moving KV between transformers caches and kamera_core's token-major layout.
-
-transformers keeps `[batch, kv_heads, seq, head_dim]` per layer (MLA: c_KV in `.keys` and k_rope
-in `.values`, each with one head); kamera_core works on `[tokens, kv_heads, head_dim]` (MLA:
-`[tokens, kv_lora_rank]` and `[tokens, rope_dim]`). The conversion happens here and nowhere else.
-"""
+"""Conversion between transformers' `[batch, kv_heads, seq, head_dim]` caches and kamera_core's token-major
+`[tokens, kv_heads, head_dim]` layout (MLA: c_KV in `.keys`, k_rope in `.values`, one head each); only here."""
 
 from __future__ import annotations
 
@@ -17,11 +13,8 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 def extract_kv(cache: Any, layout: KVLayout, batch_index: int = 0) -> list[LayerKV]:
-    """Per-layer (keys, values) of one batch row, token-major views (no copy).
-
-    MHA/GQA: `([T, kv_heads, head_dim], [T, kv_heads, value_dim])`.
-    MLA: `(c_KV [T, kv_lora_rank], k_rope [T, rope_dim])`.
-    """
+    """Per-layer (keys, values) of batch row `batch_index`, token-major views (no copy): MHA/GQA
+    `([T, kv_heads, head_dim], [T, kv_heads, value_dim])`, MLA `(c_KV [T, kv_lora_rank], k_rope [T, rope_dim])`."""
     out = []
     for layer in cache.layers:
         k = layer.keys[batch_index].transpose(0, 1)  # (T, H, D)
@@ -33,8 +26,8 @@ def extract_kv(cache: Any, layout: KVLayout, batch_index: int = 0) -> list[Layer
 
 
 def relocate_kv(kv: Sequence[LayerKV], specs: Sequence[RopeSpec], layout: KVLayout, delta: int) -> list[LayerKV]:
-    """Every layer's KV moved by δ positions: keys (or MLA k_rope) rotate, values and c_KV are
-    handed back as they are."""
+    """Every layer's KV moved by `delta` positions: keys (MLA: k_rope) rotated into new tensors, values and c_KV
+    returned as they are. ValueError when the layer counts of `kv` and `specs` differ."""
     if len(kv) != len(specs):
         raise ValueError(f"{len(kv)} layers of KV but {len(specs)} RoPE specs")
     out = []
@@ -52,8 +45,7 @@ def build_cache(kv: Sequence[LayerKV], config: Any, layout: KVLayout) -> Any:
 
 
 def build_cache_parts(parts: Sequence[Sequence[LayerKV]], config: Any, layout: KVLayout) -> Any:
-    """`build_cache(concat_kv(*parts))` in one copy per layer: each chunk's token-major KV is
-    written once, straight into the cache's `[1, heads, tokens, dim]` layout."""
+    """`build_cache(concat_kv(*parts))` with one copy per layer, straight into `[1, kv_heads, tokens, head_dim]`."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)

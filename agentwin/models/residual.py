@@ -1,20 +1,6 @@
-"""What fit="residual" reads from the model besides the pass's queries: each decoder layer's
-output projection (where the attention output lands in the residual stream) and the size of the
-residual stream the layer reads, measured on the chunk's rows during the pass the window runs
-anyway (forward pre-hooks: no extra forward, nothing kept but one number per row and layer).
-
-A layer's attention error is added to the residual stream h; every later read of it goes through
-a normalisation that divides by ||h||, so an error matters in proportion to the stream's size
-where it lands. fit="residual" measures each layer's K and V error in the residual stream
-(`kamera_core.fit_metric.projection_metric`) relative to Σ ||h||² over the chunk's rows there.
-
-Gemma-2 and Gemma-3 normalise the attention's output again before adding it to the stream (the
-"sandwich" norm, `post_attention_norm`): an error e in the projected output y lands as
-g ⊙ e / rms(y), so for those layers the projection is weighed by the norm's gain g
-(`projection_metrics`) and the stream's size is divided by the mean of 1 / (mean(y²) + ε) over the
-chunk's rows (`recording`). Both are first-order weightings, not exact ones, on every family (the
-norm's Jacobian also removes e's component along y, about 1/hidden of a random e's energy).
-"""
+"""What fit="residual" reads from the model: each decoder layer's attention output projection and the squared norm
+of the residual stream it reads, recorded by forward pre-hooks during a pass the window runs anyway (no extra
+forward). Both weightings are first order, not exact."""
 
 from __future__ import annotations
 
@@ -44,10 +30,9 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[torch.Tensor]:
-    """Per layer `kamera_core.fit_metric.projection_metric` of its attention's output projection, its
-    rows scaled by the gain of a post-attention norm where the layer has one (`norm_gain`)
-    (computed once per model, float64; `ResidualUnsupported` where a layer shows no projection, or
-    a post-attention norm that is not an RMS norm)."""
+    """Per layer, `kamera_core.fit_metric.projection_metric` of the attention output projection, its rows scaled by
+    the gain of a post-attention norm where there is one; float64, computed once per model. `ResidualUnsupported` for a
+    layer with no projection, or a post-attention norm that is not an RMS norm."""
     if model in _METRICS:
         return _METRICS[model]
     out = []
@@ -66,9 +51,8 @@ def projection_metrics(model: Any, num_kv_heads: int, value_dim: int) -> list[to
 
 
 def post_attention_norm(layer: Any) -> Any:
-    """The norm a decoder layer applies to its attention's output before adding it to the stream,
-    or None: Gemma-2/3's `post_attention_layernorm` (their layers also have a
-    `pre_feedforward_layernorm`; elsewhere `post_attention_layernorm` is the MLP's input norm)."""
+    """The norm applied to the attention output before it joins the stream (Gemma-2/3), or None; only layers that also
+    have `pre_feedforward_layernorm` have one (elsewhere `post_attention_layernorm` is the MLP's input norm)."""
     if getattr(layer, "pre_feedforward_layernorm", None) is None:
         return None
     return getattr(layer, "post_attention_layernorm", None)
@@ -79,9 +63,8 @@ def _eps(norm: Any) -> float:
 
 
 def norm_gain(norm: Any, hidden: int, index: int = 0) -> tuple[torch.Tensor, float]:
-    """`(g [hidden] float64, ε)` of an RMS norm, y = x / sqrt(mean(x²) + ε) ⊙ g, read from the
-    module itself (a vector of ones gives g / sqrt(1 + ε), whatever the weight's convention, e.g.
-    Gemma's 1 + w) and checked on a random vector; `ResidualUnsupported` if it is not of that form."""
+    """`(g [hidden] float64 on CPU, ε)` of an RMS norm y = x / sqrt(mean(x²) + ε) ⊙ g, read by running the module (any
+    weight convention, e.g. Gemma's 1 + w); `ResidualUnsupported` if a random-vector check shows another form."""
     eps = _eps(norm)
     param = next(iter(norm.parameters()), None)
     dtype = torch.float32 if param is None else param.dtype
@@ -104,8 +87,7 @@ _PROJECTIONS = tuple((a, p) for a in ("self_attn", "attention", "self_attention"
 
 
 def _projection(layer: Any) -> torch.Tensor | None:
-    """The attention's output projection weight `[hidden, Hq·Dv]`: `self_attn.o_proj` (Llama,
-    Qwen, Gemma, Mistral families), `attention.dense` (GPT-NeoX), and the like."""
+    """The attention output projection weight `[hidden, Hq·Dv]` (`self_attn.o_proj`, `attention.dense`...), or None."""
     for attention, name in _PROJECTIONS:
         module = getattr(getattr(layer, attention, None), name, None)
         weight = getattr(module, "weight", None)
@@ -116,12 +98,10 @@ def _projection(layer: Any) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def recording(model: Any, rows: slice | None = None) -> Iterator[dict[int, torch.Tensor]]:
-    """Within the block, every forward records per decoder layer the squared norm of the residual
-    stream entering it, `[n]` float64 for the rows `rows` of the (single) sequence (default all);
-    the dict maps layer index to the last forward's rows. For a layer with a post-attention norm
-    (`post_attention_norm`) the rows' values are divided by the mean over those rows of
-    1 / (mean(y²) + ε), y the attention's projected output entering that norm: the stream's size
-    in the unit `projection_metrics` measures that layer's errors in."""
+    """Within the block, each forward fills the yielded dict {layer: `[n]` float64} with the squared residual norm
+    entering each decoder layer, for `rows` of the single sequence (default all; the last forward wins). Behind a
+    post-attention norm of input y it is divided by the rows' mean of 1 / (mean(y²) + ε), the unit of
+    `projection_metrics`."""
     found: dict[int, torch.Tensor] = {}
     pick = rows if rows is not None else slice(None)
 

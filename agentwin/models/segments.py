@@ -1,27 +1,5 @@
-"""The window's KV engine inside transformers: a `Cache` whose layers hold segment references, and
-the attention function that reads them in place.
-
-`SegmentCache` is a transformers `Cache` (public cache API). Each layer holds:
-- segments: `kamera_core.segment.Segment`s, each a chunk's KV where the store holds it (canonical
-  KV with its placement shift and patch, or a chunk's exact in-context KV with shift 0), never
-  copied into the cache;
-- a dense tail `[1, kv_heads, tail, head_dim]` (MLA: c_KV and k_rope, one head each): the tokens
-  this cache's own forwards computed (a chunk's in-context pass, the query, decoded tokens).
-
-`segment_attention_forward` is registered with transformers' `AttentionInterface` as "kamera" and
-selected with `model.set_attn_implementation` (no private config writes, no environment toggles).
-It receives the cache through the `segment_cache` keyword of `model(...)`, which transformers
-hands down to every attention call. With segments it runs `kamera_core.segment.segment_attention`
-over the segments plus the tail (causal and sliding-window masks by token index); without them
-(a plain forward, or a cache with no segments) it is transformers' SDPA with the mask the cache's
-token indices give, so fresh tokens cost what SDPA costs.
-
-Sliding-window layers keep every token here (transformers' own sliding layers drop all but the
-last window, which loses the KV a chunk needs when it is stored); the kernel masks by token index.
-MLA (DeepSeek-V2/V3): segments hold c_KV `[T, kv_lora_rank]` and k_rope `[T, rope_dim]`; the
-attention expands them with the module's own `expand_kv` (as transformers does for its own cache)
-and counter-rotates only the rope part of the query.
-"""
+"""`SegmentCache`, a transformers `Cache` whose layers hold segment references plus a dense tail, and the "kamera"
+attention function that reads them in place (docs/DESIGN.md, "The KV engine")."""
 
 from __future__ import annotations
 
@@ -52,14 +30,9 @@ def register() -> None:
 
 
 class SegmentLayer(CacheLayerMixin):
-    """One decoder layer of a `SegmentCache`: segments read in place plus a dense tail.
-
-    segments: token-major KV per chunk (`Segment`; MLA: keys = c_KV `[T, R]`, values = k_rope
-        `[T, r]`, patches applied by the attention before expansion).
-    first: token index where the tail starts (= tokens held by the segments when they are a
-        contiguous prefix; the window places them so).
-    keys / values: the tail `[1, kv_heads, tail, dim]`, None before the first update.
-    """
+    """One decoder layer of a `SegmentCache`: `segments` read in place (token-major `Segment`s; MLA: keys = c_KV
+    `[T, R]`, values = k_rope `[T, r]`), then a dense tail `keys` / `values` `[1, kv_heads, tail, dim]` (None before the
+    first update) starting at token index `first`, the number of tokens the segments hold."""
 
     is_sliding = False
     is_compileable = False
@@ -83,7 +56,7 @@ class SegmentLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[1, kv_heads, new, dim]` states to the tail; returns the whole tail."""
+        """Append `[1, kv_heads, new, dim]` states to the tail (mutates the layer); returns the whole tail."""
         if not self.is_initialized:
             self.keys, self.values, self.is_initialized = key_states, value_states, True
         else:
@@ -116,16 +89,9 @@ class SegmentLayer(CacheLayerMixin):
 
 
 class SegmentCache(Cache):
-    """transformers `Cache` of `SegmentLayer`s, one per decoder layer (see the module docstring).
-
-    segments_per_layer[i]: layer i's segments; first: token index where the tail starts;
-    specs / layout: the model's RoPE specs and KV layout (the attention places segments with them).
-    probe: None, or an `agentwin.patches.guard.QueryProbe` in which every layer's attention records the
-    post-RoPE queries of a few of the forward's rows (the patch guard's probe).
-    `SegmentCache.variants` builds a cache for a batched forward whose batch rows read different
-    segments (the same tokens after several versions of the KV before them, in one pass over the
-    weights).
-    """
+    """transformers `Cache` of one `SegmentLayer` per decoder layer; `specs` / `layout` (the model's RoPE specs and KV
+    layout) place the segments. ValueError when the layer counts differ. `probe`: None or a `QueryProbe` that every
+    layer's attention fills with the post-RoPE queries of a few rows."""
 
     def __init__(self, segments_per_layer: Sequence[Sequence[Segment]], first: int, specs: Sequence[RopeSpec],
                  layout: KVLayout) -> None:
@@ -139,8 +105,8 @@ class SegmentCache(Cache):
     @classmethod
     def variants(cls, per_row: Sequence[Sequence[Sequence[Segment]]], first: int, specs: Sequence[RopeSpec],
                  layout: KVLayout) -> "SegmentCache":
-        """A cache for a forward of batch `len(per_row)`: batch row b reads `per_row[b][i]` in
-        layer i (each row's segments must hold the same `first` tokens). Not for MLA."""
+        """A cache for a forward of batch `len(per_row)`, row b reading `per_row[b][i]` in layer i (every row's segments
+        holding the same `first` tokens). ValueError for no rows, an MLA layout, or a row without every layer."""
         if not per_row:
             raise ValueError("variants needs at least one batch row of segments")
         if layout.family == "mla":
@@ -160,7 +126,7 @@ class SegmentCache(Cache):
         return False
 
     def tail_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's tail, token-major views (see `SegmentLayer.tail_kv`)."""
+        """Every layer's tail, token-major views (`SegmentLayer.tail_kv`)."""
         return [layer.tail_kv(self.layout) for layer in self.layers]
 
 
@@ -189,8 +155,8 @@ def _dense(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def _mla_segments(module: Any, layer: SegmentLayer, spec: RopeSpec, key: torch.Tensor, value: torch.Tensor
                   ) -> tuple[list[Segment], RopeSpec]:
-    """MLA: every segment's c_KV / k_rope (patched) expanded with the module's own `expand_kv`,
-    feature dims reordered rope-first so that the rotated dims lead (as RopeSpec expects)."""
+    """MLA: each segment's c_KV / k_rope, patched, expanded with the module's own `expand_kv`, feature dims reordered
+    rope-first because `RopeSpec` rotates the leading dims."""
     nope = int(module.qk_nope_head_dim)
     out = []
     for seg in layer.segments:
@@ -212,9 +178,9 @@ def segment_attention_forward(module: Any, query: torch.Tensor, key: torch.Tenso
                               attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                               sliding_window: int | None = None, softcap: float | None = None,
                               segment_cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query `[1, Hq, Tq, D]` (post-RoPE), key / value the tail
-    `[1, Hkv, S, D]` as the cache returned it (the query's own keys last). Returns
-    `([1, Tq, Hq, Dv], None)`."""
+    """transformers attention function: query `[1, Hq, Tq, D]` post-RoPE, key / value the tail `[1, Hkv, S, D]` with
+    the query's own keys last; returns `([1, Tq, Hq, Dv], None)`. Without `segment_cache` it is SDPA (ValueError for
+    soft-capping there); ValueError for a batch over 1 unless the cache holds variants."""
     layer_idx = getattr(module, "layer_idx", None)
     if segment_cache is None or layer_idx is None:
         if softcap is not None:
@@ -248,8 +214,7 @@ def segment_attention_forward(module: Any, query: torch.Tensor, key: torch.Tenso
 def _variant_attention(layer: SegmentLayer, spec: RopeSpec, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None
                        ) -> torch.Tensor:
-    """Batch row b of `query` `[B, Hq, Tq, D]` over `layer.variants[b]` and its own tail:
-    `[B, Tq, Hq, Dv]`."""
+    """Row b of `query` `[B, Hq, Tq, D]` over `layer.variants[b]` and its own tail: `[B, Tq, Hq, Dv]`."""
     if query.shape[0] != len(layer.variants):
         raise ValueError(f"a forward of batch {query.shape[0]} over a cache of {len(layer.variants)} variants")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -1,24 +1,6 @@
-"""Image and frame chunks for the Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
-
-A vision chunk is the block the model's own processor would put in a prompt for one image or one
-run of video frames, made self-contained so that it can be encoded alone and moved anywhere:
-
-- image: `<vision_start> <image_pad> x N <vision_end>`, N = t*h*w / merge^2 of the image's grid;
-- frames, Qwen2/2.5-VL: `<vision_start> <video_pad> x N <vision_end>` over the whole run;
-- frames, Qwen3-VL: per temporal patch, `<{t:.1f} seconds> <vision_start> <video_pad> x n
-  <vision_end>`, the timestamp text the Qwen3-VL processor writes.
-
-Pixels are resized the way qwen-vl-utils does (`smart_resize` to multiples of patch x merge within
-a token budget, frame count made even by repeating the last frame), then handed to the model's
-image / video processor unresized, so the pixel tensor and grid are exactly the processor's.
-
-M-RoPE positions are in position units, not tokens: a vision block of grid (t, h, w) advances the
-next chunk's start by max(h, w) / merge, not by its token count. `positions` and `span` are taken
-from the model's own `get_rope_index` (the chunk alone, then the chunk followed by one text token),
-so each family's grid rules (Qwen2.5-VL's seconds-per-grid temporal spacing, Qwen3-VL's per-frame
-split) are the model's, whatever the transformers version. Moving a chunk by delta adds delta to
-all three axes, which is what exact relocation applies.
-"""
+"""Image and frame chunks for the Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each the self-contained token
+block the model's processor would write for one image or frame run, its pixels resized the qwen-vl-utils way and
+processed by the model's own processor, its chunk-local M-RoPE positions and span from the model's `get_rope_index`."""
 
 from __future__ import annotations
 
@@ -81,8 +63,7 @@ class VisionChunk:
 
     @functools.cached_property
     def digest(self) -> str:
-        """sha256 of everything that determines the chunk's canonical KV (computed once: the
-        window keys both the chunk and its vision-tower outputs by it)."""
+        """sha256 of what fixes the chunk's canonical KV (cached: it keys the chunk and its vision-tower outputs)."""
         h = hashlib.sha256()
         for t in (self.ids, self.grid_thw, self.pixels):
             h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
@@ -109,8 +90,8 @@ def is_qwen_vl(config: Any) -> bool:
 
 
 def load_image(source: Any) -> Any:
-    """A PIL RGB image from a PIL image, a path, encoded bytes or an `[H, W, 3]` uint8 array.
-    Images over `MAX_SOURCE_PIXELS` are refused before they are decoded."""
+    """A PIL RGB image from a PIL image, path, encoded bytes or `[H, W, 3]` uint8 array. VisionInputError for a missing,
+    unreadable, empty or over-`MAX_SOURCE_PIXELS` image (checked before decoding); TypeError for another source type."""
     from PIL import Image as PILImage
 
     if isinstance(source, PILImage.Image):
@@ -200,8 +181,8 @@ class VisionPreparer:
 
     def frames(self, frames: Sequence[Any], timestamps: Sequence[float] | None = None, fps: float = 2.0,
                min_tokens: int = 128, max_tokens: int = 768) -> VisionChunk:
-        """A run of frames (sampled by the caller) as one chunk; `timestamps` in seconds, default
-        i / fps. Frames are resized to the first frame's budgeted size."""
+        """A run of frames (sampled by the caller) as one chunk; `timestamps` in seconds (default i / fps); each frame
+        resized to the first one's budgeted size. VisionInputError for empty frames, bad fps or timestamps."""
         import numpy as np
 
         if isinstance(frames, (str, bytes)) or not isinstance(frames, Sequence) or not frames:
@@ -259,8 +240,8 @@ def as_chunk(part: Any) -> TextChunk | VisionChunk:
 
 
 def rope_positions(model: Any, parts: Sequence[Any], tail: int = 0) -> tuple[torch.Tensor, int]:
-    """The model's own `[3, T]` positions for a sequence of parts (VisionChunk, or a 1-D tensor of
-    text ids), with `tail` text tokens appended; and the span (one past the end) of the parts."""
+    """The model's own `[3, T]` int64 positions of `parts` (VisionChunk or 1-D text ids) followed by `tail` text tokens,
+    and the span of the parts (the position of the first tail token; 0 without a tail)."""
     ids, types, image_grids, video_grids, seconds = [], [], [], [], []
     for part in parts:
         part = as_chunk(part)
@@ -289,7 +270,7 @@ def rope_positions(model: Any, parts: Sequence[Any], tail: int = 0) -> tuple[tor
 
 
 def vision_features(model: Any, chunk: VisionChunk) -> dict[str, torch.Tensor]:
-    """The vision tower's outputs for one chunk, as named tensors (what the encoder cache stores)."""
+    """The vision tower's outputs for one chunk as named tensors (what the encoder cache stores)."""
     getter = model.model.get_image_features if chunk.kind == "image" else model.model.get_video_features
     with torch.no_grad():
         out = getter(chunk.pixels, chunk.grid_thw, return_dict=True)

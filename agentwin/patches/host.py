@@ -1,11 +1,5 @@
-"""What a placement policy sees of the window (`Host`), and the values policies, fits and the
-window hand each other (named dataclasses, never bare tuples).
-
-The window does not pass itself to its policy: it lends it a `Host`
-(`agentwin.window_engine.PolicyHost`), through which the policy reads the chunk records and the
-order, calls the store access and counts into the window's stats, and nothing else. Declared
-here, so that no module of `agentwin.patches` imports the window's.
-"""
+"""`Host`, the view of the window a placement policy is lent (`agentwin.window_engine.PolicyHost`), and the values
+policies, fits and the window exchange. Declared here so that no module of `agentwin.patches` imports the window's."""
 
 from __future__ import annotations
 
@@ -21,11 +15,9 @@ from kamera_core import patch as kp
 
 @dataclass(frozen=True, slots=True)
 class Approx:
-    """KV served at a placement without computing it there: `kv` token-major per layer in the
-    frame its keys were rotated for, placed by `shift` positions, plus `patch` (in that frame) or
-    None. `exact`: it is the model's own KV there all the same (canonical KV at the front);
-    `stale`: a patch fitted after another antecedent than the one the chunk has now; `first`:
-    the chunk's first placement, its KV computed (encoded) for it, not a relocation."""
+    """KV served at a placement without computing it there: `kv` token-major per layer in the frame its keys were
+    rotated for, placed by `shift` positions, plus `patch` (in that frame) or None. `exact`: the model's own KV there
+    all the same; `stale`: a patch fitted after another antecedent; `first`: encoded for this, its first placement."""
 
     kv: Sequence[LayerKV]
     shift: int
@@ -37,8 +29,7 @@ class Approx:
 
 @dataclass(frozen=True, slots=True)
 class Earlier:
-    """The KV a chunk was last computed with (at any placement): token-major per layer, its keys
-    rotated for position `start`."""
+    """The KV a chunk was last computed with: token-major per layer, its keys rotated for position `start`."""
 
     kv: list[LayerKV]
     start: int
@@ -46,8 +37,8 @@ class Earlier:
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """What a patch policy serves after an antecedent it has no patch for: `patch` (None: blind
-    reuse, canonical KV alone) and whether that patch was fitted after another antecedent."""
+    """What a patch policy serves after an antecedent it has no patch for: `patch` (None: blind reuse) and whether
+    it was fitted after another antecedent."""
 
     patch: kp.ChunkPatch | None
     stale: bool
@@ -55,9 +46,8 @@ class Fallback:
 
 @dataclass(frozen=True, slots=True)
 class Probed:
-    """What a chunk's pass recorded for its patch fit: the per-layer segments it read before the
-    chunk (`before`), the probe the attention filled (`agentwin.patches.guard.QueryProbe`), and
-    the chunk's first token index in that pass (`first`)."""
+    """What a chunk's pass recorded for its fit: per layer the segments read before the chunk, the filled
+    `QueryProbe` and the chunk's first token index."""
 
     before: list
     probe: Any

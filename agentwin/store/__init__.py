@@ -1,13 +1,6 @@
-"""agentwin.store: content-addressed canonical KV, patches and encoder outputs (layer 2).
-
-Tiers (accelerator, host RAM, disk as safetensors + JSON sidecars, and a remote Redis tier shared
-across machines) with byte budgets, LRU, pinning, checksums, model/tenant isolation (and optional
-HMAC-signed remote entries), multi-process sharing, and leases so that an entry is computed once
-by the processes sharing a store (`ChunkStore.get_or_compute`). `open_store(location)` opens one
-from None, a path or a redis:// URL (one server, or a Redis Cluster). See README.md.
-Imports only torch, safetensors, the standard library and kamera_core (and the redis client, when a
-RedisTier is created).
-"""
+"""agentwin.store (layer 2): content-addressed canonical KV, patches and encoder outputs in device, RAM, disk and
+Redis tiers under byte budgets. `open_store(location)` opens one. Imports only torch, safetensors, the standard
+library and kamera_core (and the redis client, when a RedisTier is created)."""
 
 from agentwin.store.encoder import EncoderCache
 from agentwin.store.keys import ChunkKey, Digest, patch_key

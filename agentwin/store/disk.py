@@ -1,27 +1,6 @@
-"""The disk tier: one safetensors file plus one JSON sidecar per entry, under one directory.
-
-Files in `root` (flat):
-- `<digest>.<sha16>.safetensors`: the tensors (never pickle); sha16 = first 16 hex of its sha256.
-- `<digest>.json`: the sidecar, the entry's commit record (format, digest, model fingerprint,
-  tenant, data file name, its size and full sha256, tensor names/dtypes/shapes, tensor bytes,
-  meta, created, last_used). The sidecar's mtime is bumped on every disk hit (the persisted LRU
-  clock); the `last_used` field is the time the sidecar was written.
-- `.lock`: the flock file. `.tmp.*`: writes in progress (or left by a crashed writer).
-- `<digest>.lease`: the lease of a worker computing that entry (`try_lease`): JSON with its token
-  and expiry time (`expires_at`, seconds since the epoch; also the file's mtime). A lease past its
-  expiry is anyone's to take over; files a minute past it are collected by `refresh`.
-
-Crash-safety rule: every file is written to a temp file in `root`, flushed and fsynced, then
-os.replace'd into place and the directory fsynced; the data file is committed before the sidecar
-that names it, and a sidecar is deleted before its data file. So at any instant every sidecar
-names a complete data file, and anything else (temp files, data files no sidecar names) is
-garbage from a dead writer, removed under the exclusive lock. A data file whose size or sha256
-does not match its sidecar is deleted on load and reported as a miss, with one
-`CorruptEntryWarning` per entry.
-
-Locking: writes, deletes, garbage collection and lease changes hold `flock(LOCK_EX)` on `.lock`;
-loads hold `LOCK_SH`, so a reader never sees a half-replaced entry.
-"""
+"""The disk tier: per entry one safetensors data file `<digest>.<sha16>.safetensors` and one JSON sidecar
+`<digest>.json` (the commit record), flat under a root with `.lock` (flock), `.tmp.*` (writes in progress) and
+`<digest>.lease` files. Writes are crash-safe and every load is verified; a bad entry is deleted and read as a miss."""
 
 from __future__ import annotations
 
@@ -58,7 +37,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """What the index knows of one entry on disk (parsed from its sidecar)."""
+    """One entry on disk, as parsed from its sidecar."""
 
     fingerprint: str
     tenant: str
@@ -98,11 +77,9 @@ def _parse(raw: bytes, digest: str, sig: tuple[int, int, int]) -> Record | None:
 
 
 class DiskTier:
-    """Entries under `root` within `budget` bytes (data file + sidecar sizes), LRU first in `index`.
-
-    The index covers every valid entry in the directory, whatever its fingerprint or tenant (they
-    share the budget); callers check ownership. Processes sharing a root should use one budget.
-    """
+    """Entries under `root` within `budget` bytes (data + sidecar files), LRU first in `index`. The index covers every
+    entry in the directory, whatever its owner (all share the budget); callers check ownership. Processes sharing
+    a root should use one budget."""
 
     def __init__(self, root: Path, budget: int) -> None:
         self.root, self.budget = root, budget
@@ -131,7 +108,7 @@ class DiskTier:
     # -- locking and low-level file operations ---------------------------------------------------
     @contextmanager
     def locked(self, exclusive: bool) -> Iterator[None]:
-        """flock on `.lock`; re-entrant inside an exclusive hold, never an SH → EX upgrade."""
+        """flock on `.lock`; re-entrant inside an exclusive hold; RuntimeError when asked for inside a shared hold."""
         if self._lock_pid != os.getpid():
             self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
             self._lock_pid, self._lock_mode = os.getpid(), None
@@ -163,7 +140,7 @@ class DiskTier:
             os.close(fd)
 
     def _atomic_write(self, name: str, data: bytes) -> None:
-        """temp file in root → write, flush, fsync → os.replace → fsync the directory."""
+        """Writes `name` via a temp file in root, fsynced, os.replace'd, then fsyncs the directory."""
         tmp = self.root / f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -186,7 +163,7 @@ class DiskTier:
                           "as a miss, so it is recomputed", CorruptEntryWarning, stacklevel=4)
 
     def _drop(self, digest: str) -> None:
-        """Deletes the sidecar (the commit record) first, then every data file of `digest`."""
+        """Deletes the sidecar (the commit record) before the data files, so no sidecar names a missing file."""
         self._require_ex()
         (self.root / f"{digest}.json").unlink(missing_ok=True)
         for p in self.root.glob(f"{digest}.*.safetensors"):
@@ -205,7 +182,7 @@ class DiskTier:
             self.bytes -= old.size
 
     def _read_sidecar(self, digest: str) -> tuple[str, Record | None]:
-        """("absent" | "corrupt" | "ok", record) read straight from the directory."""
+        """("absent" | "corrupt" | "ok", record), read from the directory, not the index."""
         path = self.root / f"{digest}.json"
         try:
             with open(path, "rb") as f:
@@ -218,9 +195,8 @@ class DiskTier:
 
     # -- index maintenance -----------------------------------------------------------------------
     def refresh(self) -> None:
-        """Under the exclusive lock: re-scans the sidecars (new, changed, gone) and collects
-        garbage — malformed sidecars and sidecars whose data file is missing (counted as
-        corrupt), temp files and data files no sidecar names (a dead writer's leftovers)."""
+        """Under the exclusive lock: re-reads changed sidecars into the index and deletes garbage (malformed sidecars or
+        ones whose data file is gone, counted as corrupt; temp files; unnamed data files; lease files long lapsed)."""
         self._require_ex()
         names = set(os.listdir(self.root))
         seen: dict[str, Record] = {}
@@ -275,9 +251,8 @@ class DiskTier:
     # -- entry operations ------------------------------------------------------------------------
     def write(self, digest: str, tensors: dict[str, torch.Tensor], meta_json: str, nbytes: int,
               fingerprint: str, tenant: str) -> None:
-        """Commits one entry (replacing any of the same digest and owner), first deleting least
-        recently used entries until it fits. ValueError, changing nothing, when it exceeds the
-        budget or the digest is held by another fingerprint/tenant."""
+        """Commits one entry (replacing this owner's entry under `digest`), deleting LRU entries until it fits.
+        ValueError, changing nothing, when it exceeds the budget or the digest is held by another fingerprint/tenant."""
         blob = safetensors.torch.save(tensors)
         sha = hashlib.sha256(blob).hexdigest()
         now = time.time()
@@ -321,8 +296,8 @@ class DiskTier:
 
     def _try_load(self, digest: str, fingerprint: str, tenant: str
                   ) -> tuple[str, Record | None, dict[str, torch.Tensor] | None, str]:
-        """("absent" | "foreign" | "corrupt" | "ok", record, tensors, what failed); verifies size,
-        sha256, names, dtypes and shapes."""
+        """("absent" | "foreign" | "corrupt" | "ok", record, tensors, what failed); verifies size, sha256, names, dtypes
+        and shapes."""
         status, rec = self._read_sidecar(digest)
         if rec is None:
             return status, None, None, "malformed sidecar"
@@ -330,8 +305,7 @@ class DiskTier:
             return "foreign", rec, None, ""
         path = self.root / rec.file
         try:
-            # Hashed through a read-only memory map (no copy of the file in this process), then
-            # parsed by safetensors from the file itself: one copy of the data, in the tensors.
+            # Hashed through a read-only mmap so the file is not copied into this process before parsing.
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != rec.data_size or size == 0:
@@ -344,8 +318,7 @@ class DiskTier:
         try:
             tensors = safetensors.torch.load_file(str(path))
         except (safetensors.SafetensorError, ValueError, TypeError):
-            # A file that matches its checksum but does not parse as safetensors was written
-            # wrong: corruption (dropped and recomputed). Other errors (memory, I/O) propagate.
+            # Matches its checksum yet does not parse: written wrong, so corrupt. Memory and I/O errors propagate.
             return "corrupt", rec, None, "data file does not parse as safetensors"
         got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
         if got != rec.tensors or sum(t.numel() * t.element_size() for t in tensors.values()) != rec.nbytes:
@@ -353,9 +326,8 @@ class DiskTier:
         return "ok", rec, tensors, ""
 
     def load(self, digest: str, fingerprint: str, tenant: str) -> tuple[dict[str, torch.Tensor], Record] | None:
-        """The verified entry (counted as used), or None: absent, another owner's, or corrupt
-        (then deleted under the exclusive lock, counted in `corrupt_dropped`, and warned about
-        once per digest with a CorruptEntryWarning)."""
+        """The verified entry (marked used), or None: absent, another owner's, or corrupt (then deleted, counted in
+        `corrupt_dropped` and warned about once per digest with a CorruptEntryWarning)."""
         with self.locked(exclusive=False):
             status, rec, tensors, _ = self._try_load(digest, fingerprint, tenant)
         if status == "corrupt":
@@ -374,7 +346,7 @@ class DiskTier:
         return tensors, rec
 
     def owned(self, digest: str, fingerprint: str, tenant: str) -> bool:
-        """True when a sidecar of this owner exists and names an existing data file (no checksum)."""
+        """Whether a sidecar of this owner names an existing data file (no checksum)."""
         _, rec = self._read_sidecar(digest)
         return (rec is not None and (rec.fingerprint, rec.tenant) == (fingerprint, tenant)
                 and (self.root / rec.file).exists())
@@ -391,7 +363,7 @@ class DiskTier:
             return True
 
     def touch(self, digest: str, persist: bool = False) -> None:
-        """Marks `digest` most recently used (in this process; with `persist`, also the sidecar mtime)."""
+        """Marks `digest` most recently used here; with `persist`, also bumps its sidecar's mtime (the shared clock)."""
         if digest in self.index:
             self.index.move_to_end(digest)
         if persist:
@@ -401,8 +373,7 @@ class DiskTier:
                 pass
 
     def check(self) -> None:
-        """RuntimeError when the directory and the index disagree or the budget is exceeded
-        (after collecting crash garbage under the exclusive lock)."""
+        """RuntimeError when the directory and the index disagree or the budget is exceeded (after a refresh)."""
         with self.locked(exclusive=True):
             self.refresh()
             names = set(os.listdir(self.root))

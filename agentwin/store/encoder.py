@@ -16,13 +16,8 @@ _EMPTY: Mapping[str, object] = MappingProxyType({})
 
 
 class EncoderCache:
-    """Runs a vision encoder at most once per (model, pixels, settings, tenant), across every
-    process sharing the store: `get_or_compute` goes through `ChunkStore.get_or_compute`, so while
-    one worker runs the tower on an image the others wait for its outputs instead of running it too.
-
-    `computed` counts calls of `fn` here, `reused` counts outputs served by the store (stored
-    before, or arriving from the worker that held the lease).
-    """
+    """Runs a vision encoder at most once per (model, pixels, settings, tenant) across the processes sharing the
+    store (through `ChunkStore.get_or_compute`). `computed` counts calls of `fn` here, `reused` outputs served."""
 
     def __init__(self, store: ChunkStore) -> None:
         if not isinstance(store, ChunkStore):
@@ -32,17 +27,16 @@ class EncoderCache:
         self.reused = 0
 
     def key(self, pixels: bytes | Tensor, settings: Mapping[str, object] = _EMPTY) -> ChunkKey:
-        """`ChunkKey.of(store fingerprint, "vision-encoder", pixels, settings, store tenant)`;
-        pixels: encoded or raw image bytes, or a pixel tensor (hashed with dtype and shape)."""
+        """The key of `pixels` (encoded or raw image bytes, or a pixel tensor, hashed with dtype and shape) and
+        `settings` under the store's fingerprint and tenant."""
         if not isinstance(pixels, (bytes, bytearray, memoryview, Tensor)):
             raise TypeError(f"pixels must be bytes or a torch.Tensor, got {type(pixels).__name__}")
         return ChunkKey.of(self.store.model_fingerprint, MODALITY, pixels, settings, self.store.tenant)
 
     def get_or_compute(self, key: ChunkKey, fn: Callable[[], Mapping[str, Tensor]],
                        meta: Mapping[str, object] = _EMPTY) -> dict[str, Tensor]:
-        """The stored outputs for `key`, or `fn()` (e.g. `{"embeds": [tokens, hidden]}`), which is
-        stored before being returned (as fn returned it: same tensors, same devices). Errors from
-        fn or from the store (e.g. over budget) propagate and count nothing."""
+        """The stored outputs for `key`, else `fn()` (e.g. `{"embeds": [tokens, hidden]}`), stored, then returned as fn
+        returned them. Errors from fn or the store (e.g. over budget) propagate and count nothing."""
         check_key(key)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")

@@ -1,9 +1,5 @@
-"""Content keys: `ChunkKey` (sha256 of what determines a chunk's canonical KV) and `patch_key`.
-
-Every hashed field is length-prefixed (8-byte little-endian length, then the bytes) behind a
-domain tag, so no two different inputs can produce the same byte stream by concatenation
-(e.g. fingerprint "ab" + modality "c" versus "a" + "bc").
-"""
+"""Content keys: `ChunkKey` (sha256 of what determines a chunk's canonical KV) and `patch_key`. Every field is
+length-prefixed behind a domain tag, so no two different inputs hash the same byte stream."""
 
 from __future__ import annotations
 
@@ -101,8 +97,7 @@ def _check_json_keys(value: object, where: str) -> None:
 
 
 def canonical_json(value: Mapping[str, object], what: str) -> str:
-    """Sorted-key, compact JSON of a mapping with str keys; TypeError/ValueError name the bad
-    entry. Tuples serialise as lists (so (1, 2) and [1, 2] are the same setting)."""
+    """Sorted-key compact JSON of a str-keyed mapping, tuples as lists; TypeError/ValueError name the bad entry."""
     if not isinstance(value, Mapping):
         raise TypeError(f"{what} must be a mapping with str keys, got {type(value).__name__}")
     _check_json_keys(value, what)
@@ -111,8 +106,7 @@ def canonical_json(value: Mapping[str, object], what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
-    """Content address of a chunk (or of a patch, see `patch_key`): `digest` is a lowercase hex
-    sha256 (64 characters)."""
+    """Content address of a chunk or a patch: `digest`, the sha256 as 64 lowercase hex characters."""
 
     digest: str
 
@@ -131,15 +125,9 @@ class ChunkKey:
         settings: Mapping[str, object] = _EMPTY,
         tenant: str = "",
     ) -> ChunkKey:
-        """sha256 of (model fingerprint, modality, content, settings, tenant), each length-prefixed.
-
-        content: raw bytes (e.g. encoded pixels); a sequence of int token ids (hashed as int64
-            little-endian); or a tensor (hashed as dtype, shape and raw row-major bytes, so a
-            token-id tensor keys differently from the same ids as a list; pass ids as a list).
-        settings: processor settings that change the tokens, JSON-able with str keys; hashed as
-            canonical JSON (sorted keys at every depth), so insertion order does not matter.
-        tenant: salt that keeps tenants' entries apart (different tenant → different key).
-        """
+        """sha256 of (model fingerprint, modality, content, settings, tenant), each length-prefixed. content: bytes, int
+        token ids (as int64) or a tensor (dtype, shape and bytes: it keys apart from the same ids as a list); settings:
+        JSON-able with str keys, hashed as sorted canonical JSON; tenant: a salt (another tenant, another key)."""
         fields = [
             _text(model_fingerprint, "model_fingerprint"),
             _text(modality, "modality", allow_empty=False),
@@ -162,12 +150,8 @@ def patch_key(
     rank: int | None,
     method: str,
 ) -> ChunkKey:
-    """Key of a patch of `chunk`: its antecedent, rank (None: exact / full rank) and fit method.
-
-    antecedent: a sequence of ChunkKeys (order matters: origin and fresh patches are conditioned
-        on that order) or a frozenset/set (orbit patches: any order of the set, so the key is
-        order-independent). A sequence and a set of the same keys give different patch keys.
-    """
+    """Key of a patch of `chunk`: its antecedent, rank (None: exact) and fit method. A sequence antecedent is ordered
+    (origin, fresh patches), a set is order-free (orbit); the same keys as sequence and as set give different keys."""
     check_key(chunk, "chunk")
     if isinstance(antecedent, Set):
         keys = [check_key(k, "antecedent element") for k in antecedent]

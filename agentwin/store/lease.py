@@ -1,15 +1,5 @@
-"""Leases: one worker computes an entry while the others wait for it (`ChunkStore.get_or_compute`).
-
-A lease is held on the store's widest tier:
-- remote (Redis, one server or a cluster): the key `P{D}:l` set with `SET NX PX ttl` to a random
-  token; released by a Lua script that deletes it only while it holds that token (`RedisTier`);
-- disk root: the file `<digest>.lease` in the root, JSON with the token and the expiry time,
-  created and replaced under the disk tier's exclusive flock; one past its expiry (or unreadable)
-  is taken over, so a dead worker's lease never blocks the others for longer than its ttl;
-- RAM only: granted at once (nothing else shares a RAM tier).
-A lease is advisory: it only decides who computes. Entries are still written whole and verified on
-every read, so a lease that lapses mid-compute costs a second compute, never a wrong value.
-"""
+"""Leases deciding which worker computes an entry while the others wait (`ChunkStore.get_or_compute`), and lease
+files in a disk root. Advisory: a lease that lapses mid-compute costs a second compute, never a wrong value."""
 
 from __future__ import annotations
 
@@ -31,9 +21,8 @@ LeaseTier = Literal["remote", "disk", "ram", "none"]
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A granted lease on `key`: `token` (random per grant), the `tier` it is held on ("none":
-    granted without coordination, because the remote tier faulted), and `expires_at`
-    (`time.time()` seconds) after which others may take it over."""
+    """A granted lease on `key`: `token` (random per grant), the `tier` holding it ("none": uncoordinated, after a
+    remote fault) and `expires_at` (`time.time()` seconds), after which others may take it over."""
 
     key: ChunkKey
     token: str
@@ -43,9 +32,8 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
-    """What `ChunkStore.get_or_compute` returns. `how`: "hit" (the store had it), "waited"
-    (another worker held the lease and its entry arrived: no compute here) or "computed" (compute
-    ran here; `tensors` are then compute's own tensors, on their devices). `meta`: a fresh dict."""
+    """What `ChunkStore.get_or_compute` returns. `how`: "hit", "waited" (another worker computed it) or "computed"
+    (here; `tensors` are then compute's own, on their devices). `meta`: a fresh dict."""
 
     tensors: dict[str, torch.Tensor]
     meta: dict
@@ -57,8 +45,8 @@ def new_token() -> str:
 
 
 def check_seconds(value: object, what: str, allow_none: bool = False, allow_zero: bool = False) -> float | None:
-    """`value` as float seconds: a finite number > 0 (>= 0 with `allow_zero`; None passes with
-    `allow_none`); TypeError for another type, ValueError for a number out of range."""
+    """`value` as float seconds: finite and > 0 (>= 0 with `allow_zero`; None passes with `allow_none`); TypeError
+    for another type, ValueError out of range."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -69,7 +57,7 @@ def check_seconds(value: object, what: str, allow_none: bool = False, allow_zero
 
 
 class DiskLeases:
-    """Lease files `<digest>.lease` under a disk tier's root (see the module docstring)."""
+    """Lease files `<digest>.lease` (JSON token and expiry) in a disk tier's root, changed under its exclusive flock."""
 
     def __init__(self, disk: DiskTier) -> None:
         self.disk = disk
@@ -78,8 +66,8 @@ class DiskLeases:
         return self.disk.root / f"{digest}.lease"
 
     def holder(self, digest: str) -> tuple[str, float] | None:
-        """(token, expires_at) of the lease file, ("", 0.0) when it cannot be read as one (taken
-        over like a lapsed lease), None when there is none."""
+        """(token, expires_at) of the lease file; ("", 0.0) when unreadable (taken over like a lapsed lease); None
+        when there is none."""
         try:
             raw = self._path(digest).read_bytes()
         except FileNotFoundError:
@@ -93,8 +81,8 @@ class DiskLeases:
             return "", 0.0
 
     def try_acquire(self, digest: str, token: str, ttl_s: float) -> float | None:
-        """Writes a lease for `token` (expiring in `ttl_s`) unless another live one holds the
-        entry; its expiry time, or None when another holds it."""
+        """Writes a lease for `token` expiring in `ttl_s` seconds unless another live lease holds `digest`; its
+        expiry time, or None when held by another."""
         with self.disk.locked(exclusive=True):
             now = time.time()
             held = self.holder(digest)

@@ -1,5 +1,4 @@
-"""The remote tier's manifest: its fields, their canonical JSON, and its checked parse (the key
-layout and the write and read protocols are in `remote.py`'s docstring)."""
+"""The remote tier's manifest: its fields, their canonical JSON and its checked parse."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ MANIFEST_FIELDS = frozenset({"format", "digest", "model_fingerprint", "tenant", 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """One remote entry's manifest, as read back: the write's token, payload size and sha256, part
-    sizes, tensor specs, tensor bytes and meta (canonical JSON)."""
+    """One remote entry's manifest as read back: write token, payload size and sha256, part sizes, tensor specs,
+    tensor bytes and meta (canonical JSON)."""
 
     token: str
     size: int

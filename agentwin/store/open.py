@@ -11,21 +11,12 @@ from agentwin.store.store import ChunkStore
 def open_store(location: str | os.PathLike | None = None, *, model_fingerprint: str = "", tenant: str = "",
                secret: bytes | str | None = None, ram_bytes: int = 2 << 30, disk_bytes: int = 20 << 30,
                timeout_s: float = 1.0, cache_dir: str | os.PathLike | None = None) -> ChunkStore:
-    """A `ChunkStore` for `location`:
-
-    - None: RAM only (`ram_bytes`).
-    - a filesystem path (str or os.PathLike): RAM + a disk tier rooted there (`disk_bytes`),
-      shareable by processes on this machine.
-    - "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS), either with
-      "?cluster=1" for a Redis Cluster (any node's host:port): RAM, plus a disk tier at
-      `cache_dir` when given, plus a `RedisTier` on that server shared across processes and
-      machines; `timeout_s` bounds each connect/read/write, `secret` signs and verifies entries
-      (HMAC-SHA256; use one per tenant). Nothing connects here; a server that is down makes every
-      remote call a miss (one RemoteWarning) until it answers.
-    `secret` and `timeout_s` only concern the remote tier (local tiers are trusted and local);
-    they are validated whatever the location. `cache_dir` is for redis locations only.
-    ValueError for a location of another form, TypeError for arguments of the wrong type.
-    """
+    """A `ChunkStore` for `location`: None → RAM only; a path → RAM + a disk tier rooted there (shared by processes
+    on this machine); "redis://[user:password@]host[:port][/db]" or "rediss://..." (TLS), "?cluster=1" for a Redis
+    Cluster → RAM (+ a disk tier at `cache_dir`) + a `RedisTier` shared across machines. Nothing connects here; a
+    server that is down makes remote calls misses (one RemoteWarning). `timeout_s` bounds each remote socket
+    operation; `secret` signs remote entries (HMAC-SHA256, one per tenant); both are validated whatever the
+    location. ValueError for another location form or a `cache_dir` with a local one; TypeError for wrong types."""
     forms = ("None (RAM only), a filesystem path (disk tier at that root), or a redis://[user:password@]host"
              "[:port][/db] / rediss://... URL, ?cluster=1 for a Redis Cluster (remote tier, with a disk tier at "
              "cache_dir if given)")

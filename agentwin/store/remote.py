@@ -1,40 +1,8 @@
-"""The remote tier: entries shared across processes and machines through a Redis server.
-
-Keys (`P` = `prefix`, default "agentwin:"; `D` = the ChunkKey digest, which already covers model
-fingerprint, tenant salt, modality and content; every key of one entry carries the hash tag
-`{D}`, so under Redis Cluster all of an entry's keys live in one slot):
-- `P{D}:m`: the manifest, the entry's commit record: canonical JSON (format, digest, model
-  fingerprint, tenant, token, size, sha256 of the whole payload, part sizes, tensor
-  names/dtypes/shapes, tensor bytes, meta, created), then b"\\n", then the HMAC-SHA256 in hex
-  (empty when the writer has no secret).
-- `P{D}:p:<token>:<i>`: part i of the payload, the safetensors bytes of the entry's tensors cut
-  into `part_bytes` pieces; `token` is random per write, so a reader only ever reads the parts
-  its manifest names.
-- `P{D}:t:<token>:<i>`: a part being uploaded (expires after ORPHAN_TTL_S if its writer dies).
-- `P{D}:l`: the lease of a worker computing the entry (`try_lease`): a random token set with
-  `SET NX PX ttl`, so it lapses on its own when its holder dies; released only by its holder
-  (a Lua script deletes it only while it still holds that token).
-The server is one Redis server, or a Redis Cluster with `?cluster=1` (`remote_client.py`).
-
-Write: the parts go up under temporary keys in one pipeline; then one MULTI/EXEC renames them to
-their part keys, sets their TTL and sets the manifest (reading the old one), so the entry appears
-whole or not at all; the old version's parts are deleted afterwards. The manifest is written
-last and lists every part's size: it is the part-complete marker.
-Read: manifest → owner (fingerprint, tenant) and, with a secret, MAC checked before any part is
-fetched → parts fetched in one pipeline → sizes, sha256, safetensors parse, tensor specs and
-byte count checked. A failed check deletes the entry (only if its manifest is still the one read,
-under WATCH, so a concurrent rewrite is never deleted), reports a miss and issues one
-CorruptEntryWarning per entry.
-
-Faults (refused connection, timeout, a server restarted or killed mid-call, any Redis error)
-never raise to the caller: the call reports "error" (a miss / a skipped write-back), one
-RemoteWarning is issued until the server answers again, and the server is not tried again for
-`retry_s` seconds (calls in between report "error" at once). On a cluster, the warning and the
-back-off are per node: a node that is down costs the keys of its slots, the others carry on.
-Every socket operation is bounded by `timeout_s` (connect and each read/write); redis-py's own
-retries are switched off.
-Eviction is the server's: run it with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`.
-"""
+"""The remote tier: `RedisTier`, entries shared across processes and machines on a Redis server or Cluster.
+Keys of entry `D` under prefix `P`, all with hash tag `{D}` (one cluster slot): `P{D}:m` manifest,
+`P{D}:p:<token>:<i>` parts, `P{D}:t:<token>:<i>` parts being uploaded, `P{D}:l` lease. Faults never raise: the
+call reports "error" (a miss, a skipped write), warned once per server or node, then left alone for `retry_s`.
+Eviction is the server's (`maxmemory` with `maxmemory-policy allkeys-lru`)."""
 
 from __future__ import annotations
 
@@ -76,23 +44,12 @@ T = TypeVar("T")
 
 
 class RedisTier:
-    """Entries on a Redis server (see the module docstring for keys, writes, reads and faults).
-
-    url: redis://[user:password@]host[:port][/db], or rediss://... for TLS; with ?cluster=1, any
-        node of a Redis Cluster (see `remote_client`).
-    timeout_s: bound on connecting and on each socket read/write, and on waiting for a pooled
-        connection. max_connections: size of the (blocking) connection pool (per node on a
-        cluster).
-    part_bytes: payloads larger than this are split into parts of this size.
-    ttl_s: optional expiry of every entry (None: kept until the server evicts it).
-    secret: with a secret (non-empty bytes or str), every written entry carries HMAC-SHA256 over
-        (key digest, manifest, payload checksum), and entries without a valid MAC are rejected.
-        Use one secret per tenant; processes sharing entries need the same secret.
-    retry_s: after a fault the server (on a cluster: the node) is left alone for this long
-        (calls for it report "error" at once).
-    prefix: namespace of every key (no braces: they delimit the hash tag).
-    Thread-safe. Creating one does not connect; the first call does.
-    """
+    """Entries on a Redis server or Cluster (`url`: see `remote_client`). timeout_s (seconds) bounds connecting, each
+    socket read/write and each pool wait; max_connections is the pool size (per node); payloads are cut into
+    `part_bytes` parts; ttl_s expires entries (None: kept until the server evicts them); with `secret`, every entry
+    carries HMAC-SHA256 and entries without a valid one are rejected (one secret per tenant, shared by its
+    processes); after a fault the server or node is left alone for `retry_s`; `prefix` has no braces.
+    Thread-safe. Making one does not connect; the first call does."""
 
     def __init__(self, url: str, *, timeout_s: float = 1.0, max_connections: int = 8,
                  part_bytes: int = PART_BYTES, ttl_s: float | None = None, secret: bytes | str | None = None,
@@ -154,7 +111,7 @@ class RedisTier:
             client.connection_pool.disconnect()
 
     def _conn(self) -> Any:
-        """The client (a cluster client is made here on first use; a fault propagates)."""
+        """The client, made here on first use for a cluster; a fault propagates."""
         client = self._client
         if client is None:
             made = cluster_client(self._redis, self._url, self.timeout_s, self._max_connections)
@@ -218,8 +175,7 @@ class RedisTier:
                 _log.info("remote store %s answers again", f"{self.url} (node {node})" if node else self.url)
 
     def _call(self, op: str, digest: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
-        """(True, fn()) or (False, None) on a fault (counted; one RemoteWarning per server or
-        node; that server or node is left alone for retry_s) or during its back-off."""
+        """(True, fn()), or (False, None) on a fault (counted, warned once, node backed off) or during a back-off."""
         if not self._available(""):
             return False, None
         node = ""
@@ -237,8 +193,7 @@ class RedisTier:
         return True, out
 
     def _node(self, client: Any, digest: str) -> str:
-        """The cluster node serving `digest`'s slot, from the client's slot map (no round trip);
-        "slot N" when the map has no node for it, so that a fault there backs off that slot only."""
+        """The node serving `digest`'s slot, from the slot map (no round trip); "slot N" when no node covers it."""
         key = self.manifest_key(digest)
         try:
             return client.get_node_from_key(key).name
@@ -262,7 +217,7 @@ class RedisTier:
 
     def _check_manifest(self, digest: str, raw: bytes, fingerprint: str, tenant: str
                         ) -> tuple[Status, Manifest | None]:
-        """("ok" | "corrupt" | "rejected", manifest): parsed, owner and MAC checked."""
+        """("hit" | "corrupt" | "rejected", manifest): parsed, owner and MAC checked."""
         body, sep, mac = raw.rpartition(b"\n")
         got = parse_manifest(body, digest) if sep else None
         if got is None:
@@ -296,9 +251,8 @@ class RedisTier:
 
     # -- entry operations ------------------------------------------------------------------------
     def get(self, digest: str, fingerprint: str, tenant: str) -> tuple[Status, Entry | None]:
-        """("hit", entry) with verified contiguous CPU tensors, or (status, None): "absent",
-        "corrupt" / "rejected" (the entry was deleted; one CorruptEntryWarning per entry), "error"
-        (fault or back-off)."""
+        """("hit", entry) with verified contiguous CPU tensors, or (status, None): "absent", "corrupt" / "rejected" (the
+        entry was deleted; one CorruptEntryWarning per entry), "error" (fault or back-off)."""
         ok, got = self._call("get", digest, lambda: self._get(digest, fingerprint, tenant))
         if not ok or got is None:
             return "error", None
@@ -346,8 +300,8 @@ class RedisTier:
 
     def put(self, digest: str, tensors: dict[str, torch.Tensor], meta_json: str, nbytes: int,
             fingerprint: str, tenant: str) -> bool:
-        """Publishes the entry (contiguous CPU tensors; replacing any under `digest`); False on a
-        fault or during the back-off (nothing half-written is ever visible)."""
+        """Publishes the entry (contiguous CPU tensors), replacing any under `digest`; False on a fault or during the
+        back-off. A half-written entry is never visible."""
         blob = safetensors.torch.save(tensors)
         sha = hashlib.sha256(blob).hexdigest()
         n = self.part_bytes
@@ -375,15 +329,15 @@ class RedisTier:
         return True
 
     def _upload(self, digest: str, token: str, parts: list[bytes]) -> None:
-        """The parts under temporary keys (expiring, should this writer die), in one pipeline."""
+        """The parts under temporary keys that expire should this writer die, in one pipeline."""
         pipe = self._conn().pipeline(transaction=False)
         for i, p in enumerate(parts):
             pipe.set(self._tmp_key(digest, token, i), p, px=int(ORPHAN_TTL_S * 1000))
         pipe.execute()
 
     def _publish(self, digest: str, token: str, count: int, raw: bytes) -> bool:
-        """One MULTI/EXEC: temporary keys → part keys (with the entry's TTL), then the manifest.
-        False (the entry withdrawn) when a temporary part vanished before the rename."""
+        """One MULTI/EXEC: temporary keys → part keys (with the entry's TTL), then the manifest; False (the entry
+        withdrawn) when a temporary part vanished before the rename."""
         mkey = self.manifest_key(digest)
         ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
         tx = self._conn().pipeline(transaction=True)
@@ -415,15 +369,14 @@ class RedisTier:
         return True
 
     def contains(self, digest: str, fingerprint: str, tenant: str) -> bool:
-        """Whether a manifest of this owner (with a valid MAC, given a secret) is published; the
-        parts are only verified by get. False on a fault."""
+        """Whether a manifest of this owner (with a valid MAC, given a secret) is published; parts are verified only by
+        get. False on a fault."""
         ok, raw = self._call("contains", digest, lambda: self._conn().get(self.manifest_key(digest)))
         return ok and raw is not None and self._check_manifest(digest, raw, fingerprint, tenant)[0] == "hit"
 
     def delete(self, digest: str) -> bool:
-        """Deletes the entry under `digest` (manifest and the parts it names), whatever owner its
-        manifest names (the digest is the caller's own key); True when a manifest was deleted,
-        False when none was there or on a fault."""
+        """Deletes the manifest under `digest` and the parts it names, whatever owner it names; True when a manifest was
+        deleted, False when none was there or on a fault."""
         mkey = self.manifest_key(digest)
 
         def delete() -> bool:
@@ -438,9 +391,8 @@ class RedisTier:
 
     # -- leases ----------------------------------------------------------------------------------
     def try_lease(self, digest: str, token: str, ttl_s: float) -> Literal["granted", "held", "error"]:
-        """Sets the entry's lease to `token` for `ttl_s` unless another token holds it
-        (`SET NX PX`): "granted", "held" (another holder's, not yet lapsed) or "error" (a fault
-        or the back-off: the caller goes on without a lease)."""
+        """Sets the entry's lease to `token` for `ttl_s` seconds unless another token holds it: "granted", "held" or
+        "error" (a fault or the back-off: the caller goes on without a lease)."""
         ttl_ms = max(1, int(check_seconds(ttl_s, "ttl_s") * 1000))
         ok, set_ = self._call("lease", digest, lambda: self._conn().set(self.lease_key(digest), token, nx=True,
                                                                          px=ttl_ms))
@@ -449,7 +401,7 @@ class RedisTier:
         return "granted" if set_ else "held"
 
     def release_lease(self, digest: str, token: str) -> bool:
-        """Deletes the entry's lease if `token` still holds it; False when it had lapsed (and
-        perhaps been taken over), or on a fault (it then lapses on its own)."""
+        """Deletes the entry's lease if `token` still holds it; False when it had lapsed (perhaps taken over) or on a
+        fault (it then lapses on its own)."""
         ok, n = self._call("release", digest, lambda: self._conn().eval(_RELEASE, 1, self.lease_key(digest), token))
         return bool(ok and n)

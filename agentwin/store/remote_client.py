@@ -1,19 +1,6 @@
-"""How the remote tier reaches Redis: URL checks and the client, for one server or a Redis Cluster.
-
-URL forms:
-- `redis://[user:password@]host[:port][/db]`, or `rediss://...` for TLS (redis-py's own query
-  options pass through, e.g. `rediss://host:6380/0?ssl_ca_certs=/path/ca.pem`);
-- either with `?cluster=1`: a Redis Cluster, reached through any one of its nodes (`host:port`)
-  with redis-py's cluster client (`redis.cluster.RedisCluster`). Each command goes to the node
-  serving its key's hash slot; every key of one entry carries the entry's hash tag, so the tier's
-  pipelines, MULTI/EXEC and WATCH each stay on one node. `db` must be 0 (or absent) there.
-Query options that would change the tier's bounded timeouts, retries or pool size are refused.
-
-Neither client connects when made here (a cluster client is made on first use, since making one
-asks a node for the slot map). Every connect, socket read/write and wait for a pooled connection
-is bounded by `timeout_s`, and redis-py's retries are off (a cluster client still follows
-MOVED/ASK redirections, which are not retries).
-"""
+"""Redis URLs and clients for the remote tier: `redis.Redis` on a bounded pool for one server, or
+`redis.cluster.RedisCluster` with `?cluster=1` (any node; db 0 only). Query options that would change the
+bounded timeouts, retries or pool size are refused; others (e.g. `ssl_ca_certs`) pass through to redis-py."""
 
 from __future__ import annotations
 
@@ -47,8 +34,8 @@ def _cluster_option(url: str) -> tuple[bool, str]:
 
 
 def check_url(url: object) -> str:
-    """`url` if it is a redis:// or rediss:// URL with a host (see the module docstring), else
-    ValueError/TypeError naming the accepted forms."""
+    """`url` if it is a redis:// or rediss:// URL with a host, no reserved query option and (for a cluster) db 0;
+    else ValueError/TypeError naming the accepted forms."""
     if not isinstance(url, str):
         raise TypeError(f"url must be a str ({FORMS}), got {type(url).__name__}")
     parts = urlsplit(url)
@@ -70,7 +57,8 @@ def is_cluster(url: str) -> bool:
 
 
 def plain_client(redis: Any, url: str, timeout_s: float, max_connections: int) -> Any:
-    """A `redis.Redis` on a bounded blocking pool for one server (connects on first command)."""
+    """A `redis.Redis` on a blocking pool for one server: connects on first command; every connect, socket
+    read/write and pool wait bounded by `timeout_s` seconds; no retries."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -81,10 +69,8 @@ def plain_client(redis: Any, url: str, timeout_s: float, max_connections: int) -
 
 
 def cluster_client(redis: Any, url: str, timeout_s: float, max_connections: int) -> Any:
-    """A `redis.cluster.RedisCluster` reached through the URL's node (this asks it for the slot
-    map, so it connects). Each node gets a bounded blocking pool of `max_connections`;
-    `require_full_coverage=False` keeps the client usable for the slots of the nodes that are up
-    while another is down."""
+    """A `redis.cluster.RedisCluster` through the URL's node (connects: it asks for the slot map), bounded like
+    `plain_client` with a pool per node; `require_full_coverage=False` keeps live nodes' slots usable."""
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.retry import Retry

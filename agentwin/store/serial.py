@@ -1,11 +1,7 @@
 """Named-tensor forms of per-layer KV and of `kamera_core.patch.ChunkPatch`, for `ChunkStore`.
-
-KV: `{"k.{i}": k_i, "v.{i}": v_i}` for layers i = 0..L-1, each token-major (`[T, H, D]`, or MLA
-`[T, R]` / `[T, r]`). Patch: `{"p.{i}.{slot}.{part}": tensor}` with slot "k"/"v" and part
-"u" `[T, m]`, "vt" `[m, *F]` and, for int8 factors, "u_scale" `[m]` / "vt_scale" `[m]` (float32),
-for mixed ones also the packed 4-bit "u4" / "vt4" (uint8; `kamera_core.patch.Factors`);
-a slot without a patch has no tensors. The patch meta records the format, method and layer count.
-"""
+KV: `{"k.{i}", "v.{i}"}` per layer i, token-major `[T, H, D]` (MLA `[T, R]` / `[T, r]`). Patch:
+`{"p.{i}.{k|v}.{part}"}`, part "u" `[T, m]`, "vt" `[m, *F]`, for int8 factors "u_scale"/"vt_scale" `[m]`
+float32, for mixed ones also the packed 4-bit "u4"/"vt4" uint8; a slot without a patch has no tensors."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""`ChunkStore`: content-addressed entries (named tensors + a small JSON meta dict) in up to three
-tiers — accelerator (optional), host RAM, disk (optional) — each under a byte budget, LRU within
-each tier, with pinning, checksums and model/tenant isolation. See README.md in this folder.
-
-Placement:
-- put: into RAM (making room by moving least recently used unpinned entries out) and, when a
-  root is given, written through to disk at once (so other processes see it and a crash loses
-  nothing acknowledged). An entry larger than `ram_bytes` goes to disk only (refused when there
-  is no root, or when pin=True); an entry larger than `disk_bytes` (with a root) is refused.
-- get: RAM hit, else disk hit (verified, then promoted to RAM if it fits next to the pins),
-  else remote hit (a `RedisTier`: verified, then promoted to RAM if it fits, else to disk if it
-  fits there), then copied to the device tier when one is configured and the entry fits its
-  budget. The device tier mirrors a subset of RAM (device ⊆ RAM): leaving RAM also leaves it.
-- remote: after a put succeeded locally it is written back to the remote tier (synchronously).
-  A remote fault never raises: the get is a miss, the write-back is skipped (counted in
-  remote_errors; the tier warns once and backs off, see remote.py).
-- RAM over budget: LRU unpinned entries leave RAM; with a root they are demoted to disk (already
-  there thanks to write-through unless the disk tier dropped them, then written), else dropped.
-  Disk over budget: LRU entries are deleted. The device tier drops LRU copies.
-- get_or_compute: a hit, else the caller that takes the key's lease (`lease.py`) computes and
-  puts while the others sharing the store wait for its entry, so an entry is computed once.
-Budgets hold after every call: a call that cannot keep them raises ValueError and changes nothing.
-"""
+"""`ChunkStore`: content-addressed entries (named tensors + a JSON meta dict) in up to four tiers (device, RAM,
+disk, remote), each under a byte budget with LRU, plus pinning, checksums, model/tenant isolation and leases.
+Budgets hold after every call: a call that cannot keep them raises ValueError and changes nothing."""
 
 from __future__ import annotations
 
@@ -60,17 +40,14 @@ def _budget(value: object, what: str) -> int:
 class ChunkStore:
     """Content-addressed store of entries `(dict[str, Tensor], meta dict)` keyed by `ChunkKey`.
 
-    root: directory of the disk tier (created if missing; owned by the store; may be shared by
-        processes of any fingerprint/tenant, which then share `disk_bytes`). None: no disk tier.
-    ram_bytes / disk_bytes / device_bytes: byte budgets (tensor bytes for RAM and device; file
-        bytes on disk). device: e.g. "cuda" (needs device_bytes > 0) for an accelerator tier.
-    model_fingerprint / tenant: recorded with every disk and remote entry; entries recorded under
-        another fingerprint or tenant are never returned, whatever the key.
-    remote: a `RedisTier` shared with other processes/machines (None: no remote tier); read after
-        RAM and disk, written back after every local put. The store closes it on close().
-    Returned tensors are the cached ones (do not modify them in place); meta is a fresh dict.
-    Thread-safe (one lock per store; remote calls run under it, each bounded by its timeout);
-    process-safe through flock on the root, and across machines through the remote tier.
+    root: the disk tier's directory (None: no disk tier), shareable by processes of any owner, which then share
+    `disk_bytes`. ram_bytes / disk_bytes / device_bytes: budgets in bytes (tensor bytes in RAM and on the device,
+    file bytes on disk); device (e.g. "cuda") needs device_bytes > 0. Entries recorded under another
+    model_fingerprint or tenant are never returned. remote: a `RedisTier`, read after RAM and disk, written back
+    after every put, closed by close(). Returned tensors are the cached ones: do not modify them in place; meta is
+    a fresh dict. Thread-safe (one lock; remote calls run under it, each bounded by its timeout); process-safe
+    through flock on the root, and across machines through the remote tier.
+
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, ram_bytes: int = 2 << 30,
@@ -124,8 +101,7 @@ class ChunkStore:
         return self._remote
 
     def close(self) -> None:
-        """Releases the lock file and the remote tier's connections; afterwards any call that
-        needs the disk raises ValueError."""
+        """Releases the lock file and the remote tier's connections; later calls that need the disk raise ValueError."""
         if self._disk is not None:
             self._disk.close()
         if self._remote is not None:
@@ -140,11 +116,9 @@ class ChunkStore:
     # -- public API --------------------------------------------------------------------------------
     def put(self, key: ChunkKey, tensors: Mapping[str, Tensor], meta: Mapping[str, object] = _EMPTY,
             pin: bool = False) -> None:
-        """Stores contiguous CPU copies of `tensors` (any shapes, supported dtypes) and JSON-able
-        `meta` under `key`, replacing an existing entry; pin=True keeps it in RAM (an existing pin
-        is kept either way). ValueError (changing nothing) when it cannot fit: over a budget, or
-        RAM full of pinned entries. Then written back to the remote tier, if any (a fault there
-        is counted in remote_errors, never raised)."""
+        """Stores contiguous CPU copies of `tensors` (any shapes, supported dtypes) and JSON-able `meta` under `key`,
+        replacing any entry; pin=True keeps it in RAM (an existing pin stays). ValueError, changing nothing, over a
+        budget or with RAM full of pins. Then written back to the remote tier (a fault counts in remote_errors)."""
         with self._mutex:
             digest = check_key(key).digest
             if not isinstance(pin, bool):
@@ -181,9 +155,8 @@ class ChunkStore:
                 self._remote_errors += 1
 
     def get(self, key: ChunkKey) -> tuple[dict[str, Tensor], dict] | None:
-        """`(tensors, meta)` or None on a miss (absent, another fingerprint's or tenant's, a
-        disk or remote entry that failed verification, which is then deleted, or a remote fault).
-        Tensors are on the device when the device tier holds the entry, else on the CPU."""
+        """`(tensors, meta)`, or None on a miss (absent, another owner's, failed verification and deleted, or a remote
+        fault). Tensors are on the device when the device tier holds the entry, else on the CPU."""
         with self._mutex:
             digest = check_key(key).digest
             e = self._ram.get(digest)
@@ -209,8 +182,7 @@ class ChunkStore:
             return None
 
     def contains(self, key: ChunkKey) -> bool:
-        """Whether get would find the entry (a disk entry's checksum and a remote entry's parts
-        are only verified by get; a remote fault reads as False)."""
+        """Whether get would find the entry (only get verifies checksums and remote parts); False on a remote fault."""
         with self._mutex:
             digest = check_key(key).digest
             return digest in self._ram or (
@@ -218,9 +190,8 @@ class ChunkStore:
                 self._remote is not None and self._remote.contains(digest, self._fp, self._tenant))
 
     def pin(self, key: ChunkKey) -> None:
-        """Keeps the entry in RAM until unpinned (loading it from disk or the remote tier if
-        needed). ValueError when it is not in the store or cannot fit in RAM next to the other
-        pinned entries."""
+        """Keeps the entry in RAM until unpinned, loading it from disk or remote if needed. ValueError when it is not in
+        the store or does not fit in RAM next to the other pins."""
         with self._mutex:
             digest = check_key(key).digest
             if digest not in self._ram:
@@ -243,8 +214,7 @@ class ChunkStore:
             self._ram.pinned.discard(check_key(key).digest)
 
     def delete(self, key: ChunkKey) -> bool:
-        """Removes the entry from every tier, the remote one included (never another
-        fingerprint's or tenant's disk entry); True when something was removed."""
+        """Removes the entry from every tier, remote included (never another owner's disk entry); True if any went."""
         with self._mutex:
             digest = check_key(key).digest
             removed = self._ram.remove(digest) is not None
@@ -284,9 +254,8 @@ class ChunkStore:
                 lease_waits=self._lease_waits, lease_hits=self._lease_hits, lease_takeovers=self._lease_takeovers)
 
     def check_integrity(self) -> None:
-        """RuntimeError on any broken invariant: a tier over budget or miscounted, pins outside
-        RAM, device entries outside RAM, tensors misplaced, disk index versus files (after
-        collecting crash leftovers under the exclusive lock)."""
+        """RuntimeError on any broken invariant: tiers over budget or miscounted, pins outside RAM, device entries
+        outside RAM, misplaced tensors, the disk index versus its files."""
         with self._mutex:
             self._ram.check()
             if self._dev is not None:
@@ -302,19 +271,17 @@ class ChunkStore:
 
     # -- leases: an entry computed once across the processes sharing the store -------------------
     def try_lease(self, key: ChunkKey, ttl_s: float = LEASE_TTL_S) -> Lease | None:
-        """A lease on `key` for `ttl_s` seconds, or None while another holder's lease on it has
-        not lapsed. Held on the remote tier when there is one (a fault there grants a lease of
-        tier "none", counted in remote_errors: the caller goes on uncoordinated rather than
-        blocked), else as a lease file in the disk root, else granted at once (RAM only)."""
+        """A lease on `key` for `ttl_s` seconds, or None while another holder's lease has not lapsed. Held on the remote
+        tier if any (a fault there grants tier "none", counted in remote_errors), else as a file in the disk root,
+        else granted at once (RAM only)."""
         check_key(key)
         ttl = check_seconds(ttl_s, "ttl_s")
         with self._mutex:
             return self._acquire(key, new_token(), ttl)
 
     def release(self, lease: Lease) -> bool:
-        """Gives `lease` back, so that a waiting worker takes over at once. False when it had
-        lapsed (it may be another's by now; theirs is left alone) or on a remote fault (it then
-        lapses on its own). RAM and "none" leases hold nothing: True."""
+        """Gives `lease` back so a waiting worker takes over at once. False when it had lapsed (it may be another's;
+        theirs is left alone) or on a remote fault (it then lapses on its own); True for RAM and "none" leases."""
         if not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease from try_lease, got {type(lease).__name__}")
         with self._mutex:
@@ -326,8 +293,7 @@ class ChunkStore:
 
     @contextmanager
     def lease(self, key: ChunkKey, ttl_s: float = LEASE_TTL_S) -> Iterator[Lease | None]:
-        """`with store.lease(key) as held:` — `try_lease`, released on leaving the block; held
-        is None when another holder has the key."""
+        """`try_lease` as a context manager, released on leaving; yields None when another holder has the key."""
         held = self.try_lease(key, ttl_s)
         try:
             yield held
@@ -338,17 +304,12 @@ class ChunkStore:
     def get_or_compute(self, key: ChunkKey, compute: Callable[[], Mapping[str, Tensor]],
                        meta: Mapping[str, object] = _EMPTY, *, ttl_s: float = LEASE_TTL_S,
                        wait_s: float | None = None, poll_s: float = 0.05) -> Resolved:
-        """The entry under `key`, computed at most once by the workers sharing this store.
-
-        A hit is returned as is (how="hit"). Otherwise the caller that takes the key's lease runs
-        `compute()` (a mapping of names to tensors), puts it with `meta` and releases the lease (how="computed"; the tensors returned are compute's own). A caller
-        that finds the lease held polls every `poll_s` until the holder's entry appears
-        (how="waited", lease_hits) or the lease is released with no entry or lapses after its
-        `ttl_s`, or `wait_s` (default: ttl_s) has passed; then it computes (lease_takeovers).
-        `ttl_s` should exceed the longest compute: one that outlasts it lets a second worker
-        compute too (wasted work, never a wrong value). A remote fault never blocks or fails the
-        call: it computes. Errors from compute or from the put (ValueError over a budget)
-        propagate, after the lease is released."""
+        """The entry under `key`, computed at most once by the workers sharing this store. A hit returns how="hit".
+        Else the lease holder runs `compute()` (names → tensors), puts it with `meta`, releases the lease and returns
+        compute's own tensors (how="computed"); the others poll every `poll_s` seconds for its entry (how="waited")
+        and compute themselves once the lease is released or lapses or `wait_s` (default ttl_s) passes. `ttl_s`
+        should exceed the longest compute, else a second worker computes too. A remote fault never blocks or fails
+        the call. Errors from compute or the put (ValueError over a budget) propagate after the lease is released."""
         check_key(key)
         if not callable(compute):
             raise TypeError(f"compute must be callable, got {type(compute).__name__}")
@@ -428,7 +389,7 @@ class ChunkStore:
         return None
 
     def _to_disk(self, digest: str, e: Entry) -> None:
-        """A remote hit too big for RAM: kept on disk when there is one and it fits there."""
+        """Keeps a remote hit too big for RAM on disk, when there is one and it fits there."""
         if self._disk is None or self._disk.owned(digest, self._fp, self._tenant):
             return
         try:
@@ -441,8 +402,7 @@ class ChunkStore:
         self._promotions += 1
 
     def _promote(self, digest: str, e: Entry) -> bool:
-        """Disk or remote → RAM when it fits next to the pins (moving LRU entries out); False
-        otherwise."""
+        """Disk or remote → RAM when it fits next to the pins (moving LRU entries out); False otherwise."""
         if e.nbytes > self._ram.budget or (victims := self._ram.victims(e.nbytes, replacing=digest)) is None:
             return False
         for v in victims:
@@ -452,7 +412,7 @@ class ChunkStore:
         return True
 
     def _demote(self, digest: str) -> None:
-        """Moves an unpinned entry out of RAM (and the device): to disk when there is a root."""
+        """Moves an unpinned entry out of RAM and the device: to disk when there is a root, else dropped."""
         if digest in self._ram.pinned:
             raise RuntimeError(f"demoting pinned entry {digest[:16]}; this indicates a bug")
         e = self._ram.remove(digest)

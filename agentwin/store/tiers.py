@@ -1,9 +1,5 @@
-"""In-memory tiers (host RAM and an optional accelerator): an LRU of entries under a byte budget.
-
-An entry is a dict of named tensors plus its metadata as canonical JSON text. Entry size is the
-sum of `numel · element_size` over its tensors. Pins are a property of the RAM tier only: a pinned
-entry is never chosen as a victim.
-"""
+"""In-memory tiers (host RAM, an optional accelerator): an LRU of `Entry` under a byte budget (tensor bytes).
+Pins belong to the RAM tier: a pinned entry is never a victim."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ Tensor = torch.Tensor
 
 
 class CorruptEntryWarning(RuntimeWarning):
-    """A disk or remote entry failed verification (or named another owner): it was deleted and
-    read as a miss, so the caller recomputes it. Issued once per tier and entry in a process."""
+    """A disk or remote entry failed verification (or named another owner): deleted and read as a miss, so the caller
+    recomputes it. Issued once per tier and entry in a process."""
 
 
 def tensors_nbytes(tensors: dict[str, Tensor]) -> int:
@@ -32,8 +28,8 @@ def tensors_nbytes(tensors: dict[str, Tensor]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One cached entry: `tensors` (contiguous, on the tier's device), `meta_json` (canonical
-    JSON text of the metadata dict) and `nbytes` = sum of the tensors' bytes."""
+    """One cached entry: `tensors` (contiguous, on the tier's device), `meta_json` (canonical JSON of the meta
+    dict) and `nbytes`, the tensors' total bytes."""
 
     tensors: dict[str, Tensor]
     meta_json: str
@@ -59,9 +55,8 @@ class MemoryTier:
         return e
 
     def victims(self, nbytes: int, replacing: str | None = None) -> list[str] | None:
-        """Unpinned digests, least recently used first, whose removal makes room for `nbytes`
-        more (after `replacing`'s own entry, if present, is dropped); None when pins (or the
-        budget) make that impossible. Changes nothing."""
+        """Unpinned digests, least recently used first, whose removal makes room for `nbytes` more (besides
+        `replacing`'s own entry); None when pins or the budget make that impossible. Changes nothing."""
         held = self.bytes - (self.entries[replacing].nbytes if replacing in self.entries else 0)
         excess = held + nbytes - self.budget
         out: list[str] = []

@@ -5,7 +5,6 @@ reorders."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -13,21 +12,9 @@ import torch
 
 from agentwin.models.adapter import KameraModel
 from agentwin.window import Window
-from tests.support import assert_close, forward_growth, tolerance
+from tests.agentwin.test_window import QUERY, TEXTS, _km, _same_logprobs  # one model per name for both modules
+from tests.support import assert_close, tolerance
 from tools.bench.orbit import OrbitPolicy
-
-TEXTS = ["the harbour master keeps the tide log", "she wrote the storm surge in it",
-         "the keeper climbed the tower at dawn", "he replaced the cracked diaphragm"]
-QUERY = "who climbed the tower?"
-
-
-@functools.lru_cache(maxsize=None)
-def _km(name: str) -> KameraModel:
-    return KameraModel.from_pretrained(name)
-
-
-def _same_logprobs(km: KameraModel, mine: torch.Tensor, reference: torch.Tensor) -> None:
-    assert_close(mine, reference, what="next-token log-probabilities", growth=forward_growth(km.model.config))
 
 
 def test_orbit_patch_is_the_mean_deficit_over_the_fitted_orders():

@@ -279,8 +279,8 @@ def _weighted(delta: Tensor, metric: Tensor | None, row_weights: Tensor | None
 
 def _right_vectors(xw: Tensor) -> tuple[Tensor, Tensor]:
     """(σ² `[F]` decreasing, V `[F, F]` right singular vectors of xw as columns) from the
-    eigendecomposition of the F×F Gram matrix: one small symmetric eigenproblem per block, about
-    3x cheaper than an SVD of the T×F matrix, and V comes out orthonormal to float64 precision,
+    eigendecomposition of the F×F Gram matrix: one small symmetric eigenproblem per block, cheaper
+    than an SVD of the T×F matrix (F ≪ T), and V comes out orthonormal to float64 precision,
     which is what makes the full-rank reconstruction X·V·Vᵀ exact."""
     evals, evecs = torch.linalg.eigh(xw.T @ xw)  # ascending
     return evals.flip(0).clamp_min(0), evecs.flip(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tools.bench.fidelity import DEFAULT_FIT, FITS, HEADLINE, TARGET_POINTS, window_default_patch
+from tools.bench.runs import describe_bf16_path
 from tools.bench.trace_bench import _f, _pct
 
 
@@ -32,9 +33,7 @@ def _bf16_path(result: dict[str, Any]) -> str:
     path = result.get("bf16_path")
     if not path:
         return ""
-    return (f"; it depends on the CPU's bfloat16 path, here oneDNN {'on' if path['mkldnn'] else 'off'} with "
-            f"instruction-set cap {path['onednn_max_cpu_isa']}, torch's CPU capability {path['cpu_capability']}, "
-            f"CPU flags {', '.join(path['cpu_flags']) or 'none of the bf16 / AVX ones'}")
+    return f"; it depends on the CPU's bfloat16 path, here {describe_bf16_path(path)}"
 
 
 def _target_section(result: dict[str, Any]) -> list[str]:

@@ -123,6 +123,16 @@ def bf16_path() -> dict[str, Any]:
             "cpu_flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})}
 
 
+def describe_bf16_path(path: dict[str, Any]) -> str:
+    """`bf16_path()` in words for a page: the floor moves with it (AMX and AVX-512 bf16 kernels round
+    differently), so a page names the one it ran on. Older results record fewer fields."""
+    mkldnn = {True: "on", False: "off"}.get(path.get("mkldnn"), "unrecorded")
+    flags = path.get("cpu_flags")
+    return (f"oneDNN {mkldnn} with instruction-set cap {path.get('onednn_max_cpu_isa') or 'unset'}, torch's CPU "
+            f"capability {path.get('cpu_capability', 'unrecorded')}, CPU flags "
+            + ("unrecorded" if flags is None else ", ".join(flags) or "none of the bf16 / AVX ones"))
+
+
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -44,6 +44,7 @@ from tools.bench import contexts as cx
 from tools.bench import metrics as mt
 from tools.bench.fits import method_patched
 from tools.bench.hard_cases import CASES, HardCase, parse_case_names
+from tools.bench.runs import describe_bf16_path
 from tools.bench.workloads import SWEEPS
 from kamera_core import patch as kp
 from kamera_core.metrics import kl_divergence
@@ -187,8 +188,7 @@ def render(data: dict) -> str:
     """The results page, from the JSON as written."""
     lines = ["# Selective recompute against the bytes: the hard cases\n",
              f"Written by `{data['command']}` ({data['threads']} thread(s), load average "
-             f"{data['loadavg_start']} → {data['loadavg_end']}; bf16 path: "
-             f"{data['bf16_path']['cpu_capability']}, oneDNN cap {data['bf16_path']['onednn_max_cpu_isa']}).\n",
+             f"{data['loadavg_start']} → {data['loadavg_end']}; bf16 path: {describe_bf16_path(data['bf16_path'])}).\n",
              "Each row builds the KV of [A, B] one way and reads every question after it; KL is the mean "
              "next-token KL against the float32 re-prefill, greedy-16 the share of questions whose first 16 "
              "greedy tokens are identical. Bytes: stored beyond canonical KV, as a share of B's fp16 KV. "

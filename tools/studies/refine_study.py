@@ -38,6 +38,7 @@ from tools.bench import metrics as mt
 from tools.studies.compute_study import _window_patch, case_inputs, check_common, run_study
 from tools.bench.fits import method_patched
 from tools.bench.hard_cases import CASES, HardCase
+from tools.bench.runs import describe_bf16_path
 from agentwin.models.kv import relocate_kv
 from kamera_core import patch as kp
 from kamera_core.budget import FLOAT_STORAGE
@@ -272,8 +273,7 @@ def render(data: dict) -> str:
     """The results page, from the JSON as written."""
     lines = ["# Refining the patch end to end: the hard cases\n",
              f"Written by `{data['command']}` ({data['threads']} thread(s), load average "
-             f"{data['loadavg_start']} → {data['loadavg_end']}; bf16 path: "
-             f"{data['bf16_path']['cpu_capability']}, oneDNN cap {data['bf16_path']['onednn_max_cpu_isa']}).\n",
+             f"{data['loadavg_start']} → {data['loadavg_end']}; bf16 path: {describe_bf16_path(data['bf16_path'])}).\n",
              f"The window's default patch within {data['budget']:.0%} of B's fp16 KV bytes, refined by "
              f"{data['steps']} Adam steps (learning rate {data['lr']:g}) on next-token KL through the whole model, "
              "in its own storage (same ranks, same bytes; the forward reads the stored form). `refined-rows`: "

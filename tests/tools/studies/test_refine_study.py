@@ -95,3 +95,18 @@ def test_page_names_every_row_and_each_case_held_out_against_its_floor():
     page = rs.render(data)
     assert "| code | refined-questions-1 | 4.00e-03 → 1.00e-03 | 2.00e-03 | 2.00 | 3.00e-03 | 100% | 50% | 7 |" in page
     assert "| code | 1.00e-03 | 2.00 | 2.00 | 3.00 |" in page
+    assert "bf16 path: oneDNN unrecorded with instruction-set cap unset, torch's CPU capability x, CPU flags unrecorded" \
+        in page  # an older record: what it lacks is said, not guessed
+
+
+def test_pages_name_the_cpu_path_the_floor_ran_on():
+    """AMX and AVX-512 bf16 kernels round differently, so the floor moves between machines: the study
+    pages and the fidelity page name the flags the run recorded."""
+    from tools.bench.runs import bf16_path, describe_bf16_path
+    amx = {"onednn_max_cpu_isa": "unset", "mkldnn": True, "cpu_capability": "AVX512",
+           "cpu_flags": ["amx_bf16", "amx_tile", "avx512_bf16"]}
+    assert describe_bf16_path(amx) == ("oneDNN on with instruction-set cap unset, torch's CPU capability AVX512, "
+                                       "CPU flags amx_bf16, amx_tile, avx512_bf16")
+    assert describe_bf16_path({**amx, "cpu_flags": []}).endswith("CPU flags none of the bf16 / AVX ones")
+    here = bf16_path()
+    assert ", ".join(here["cpu_flags"]) in describe_bf16_path(here)

@@ -236,7 +236,6 @@ class WindowEngine:
         kv = self.km.encode_after(layers, pl.first, pl.start, chunk.inputs, self._io.features, probe)
         kind = self._kind(chunk)
         self._stats.count(kind, n)
-        self._stats.conditioned_passes += kind == "conditioned"
         self._stats.seconds[kind] += time.perf_counter() - t0
         self._keep(chunk, pl, kv, exact, order, Probed(before, probe, pl.first) if probe is not None else None)
         self._add(layers, chunk.held.kv, pl.first)

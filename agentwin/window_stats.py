@@ -47,7 +47,6 @@ class WindowStats:
     patch_misses: int = 0
     canonical_hits: int = 0  # chunks whose canonical KV came from the store (no encode)
     store_hit_tokens: int = 0
-    conditioned_passes: int = 0
     relocations: int = 0
     relocated_tokens: int = 0
     evictions: int = 0
@@ -118,6 +117,11 @@ class WindowStats:
             if n:
                 self.forwards[kind] += 1
                 self.forward_tokens[kind] += int(n)
+
+    @property
+    def conditioned_passes(self) -> int:
+        """Forwards that computed a chunk for a patch (`forwards["conditioned"]`), alone or in a batched pass."""
+        return int(self.forwards.get("conditioned", 0))
 
     @property
     def forwarded_tokens(self) -> int:

@@ -69,6 +69,8 @@ def test_recall_to_old_slot_reuses_its_patch_without_a_pass():
     win.evict(ids[1])
     win.next_token_logprobs(QUERY)  # the third chunk now needs a patch for a new antecedent
     passes = win.stats().conditioned_passes
+    # one pass computed the third chunk after its new antecedent, counted whether it ran alone or batched
+    assert passes == 1 and win.stats().forward_tokens["conditioned"] == win.chunk_tokens(ids[2])
     win.recall(ids[1])
     assert win.chunks() == ids
     mine = win.next_token_logprobs(QUERY)

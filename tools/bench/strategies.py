@@ -228,7 +228,7 @@ class Reprefill(Strategy):
             return Reading(torch.log_softmax(logits[0], -1), forced_tokens(logits[0], logits[1:], self._forced, self.eos))
         out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
         self._count("prefill", ids.numel())
-        cache = out.past_key_values
+        cache = out.cache
         logits = out.logits[0, -1].float()
 
         def step(token: int) -> torch.Tensor:
